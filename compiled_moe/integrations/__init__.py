@@ -1,0 +1,1 @@
+"""Glue for other frameworks."""

@@ -1,0 +1,1 @@
+"""Triton kernels (loaded lazily: importing compiled_moe needs no Triton)."""

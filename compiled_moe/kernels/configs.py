@@ -1,0 +1,98 @@
+"""Tile configurations of the Triton kernels, apart from the kernels.
+
+Set ``COMPILED_MOE_LOG_CONFIG=1`` to print every choice the first time it is made.
+Numbers in comments were measured on an H200 (see benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sys
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __str__(self) -> str:
+        return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} BLOCK_K={self.block_k} "
+                f"GROUP_M={self.group_m} warps={self.num_warps} stages={self.num_stages}")
+
+
+def _log(kind: str, key: tuple, cfg: TileConfig) -> None:
+    if os.environ.get("COMPILED_MOE_LOG_CONFIG", "0") not in ("", "0"):
+        print(f"compiled_moe: {kind} {key} -> {cfg}", file=sys.stderr)
+
+
+# The Triton interpreter (CPU tier) runs every program in Python: small tiles keep it quick
+# while still crossing group boundaries and K/N tails.
+_INTERPRETER_TILE = TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
+
+
+def _env_override() -> TileConfig | None:
+    """COMPILED_MOE_TILE="BM,BN,BK,GROUP_M,warps,stages" forces one tile (benchmark sweeps)."""
+    spec = os.environ.get("COMPILED_MOE_TILE")
+    if not spec:
+        return None
+    return TileConfig(*(int(v) for v in spec.split(",")))
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_mm_config(rows_per_group: int, n: int, k: int, dtype: torch.dtype,
+                      device_type: str) -> TileConfig:
+    """Tile of the forward/dgrad kernel: out (M, N) = a (M, K) @ b[g] (K, N).
+
+    ``rows_per_group`` is M / G, the mean group size: it sets BLOCK_M, since every group
+    ends in a partial M tile whose padding rows are computed and thrown away.
+    """
+    key = ("grouped_mm", rows_per_group, n, k, str(dtype), device_type)
+    if device_type != "cuda":
+        cfg = _INTERPRETER_TILE
+    elif (forced := _env_override()) is not None:
+        cfg = forced
+    elif dtype == torch.float32:
+        cfg = TileConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=3)
+    elif rows_per_group <= 96:
+        # Fine-grained experts: a 128-row tile would be mostly padding.
+        cfg = TileConfig(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=4)
+    else:
+        cfg = TileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
+    _log(*key[:1], key[1:], cfg)
+    return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_mm_wgrad_config(rows_per_group: int, k: int, n: int, dtype: torch.dtype,
+                            device_type: str) -> TileConfig:
+    """Tile of the weight-gradient kernel: out[g] (K, N) = a_g^T (K, m_g) @ grad_g (m_g, N).
+
+    BLOCK_M is the reduction chunk over a group's rows, BLOCK_K x BLOCK_N the output tile.
+    """
+    key = ("grouped_mm_wgrad", rows_per_group, k, n, str(dtype), device_type)
+    if device_type != "cuda":
+        cfg = _INTERPRETER_TILE
+    elif (forced := _env_override()) is not None:
+        cfg = forced
+    elif dtype == torch.float32:
+        cfg = TileConfig(block_m=32, block_n=128, block_k=128, num_warps=8, num_stages=3)
+    else:
+        cfg = TileConfig(block_m=64, block_n=256, block_k=128, num_warps=8, num_stages=3)
+    _log(*key[:1], key[1:], cfg)
+    return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_sum_config(n: int, device_type: str) -> TileConfig:
+    """Tile of the grouped row sum (bias gradient): one program per (group, BLOCK_N columns)."""
+    if device_type != "cuda":
+        return _INTERPRETER_TILE
+    return TileConfig(block_m=64, block_n=128, block_k=1, num_warps=4, num_stages=1)

@@ -1,0 +1,395 @@
+"""Triton kernels of the grouped GEMM family: forward/dgrad, weight gradient, grouped row sum.
+
+Every kernel reads the group offsets on the device and derives its own tile schedule from
+them, so no launch depends on group sizes known on the host (no sync, CUDA-graph safe).
+
+Group bounds: offsets are clamped to [0, M] and made non-decreasing by a running maximum
+(``reference.group_bounds`` is the same rule in torch), so corrupt offsets can never make a
+kernel touch a row outside its tensor.
+
+The launchers below take already validated tensors (see ``compiled_moe.ops``) and launch
+through ``torch.library.wrap_triton`` so that inductor can see and inline the kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from compiled_moe.kernels.configs import (
+    grouped_mm_config,
+    grouped_mm_wgrad_config,
+    grouped_sum_config,
+)
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _max_combine(x, y):
+    return tl.maximum(x, y)
+
+
+@triton.jit
+def _group_bounds(offs_ptr, G, M, G_PAD: tl.constexpr):
+    """Vectors (G_PAD,) of each group's first row and end row; padding groups are empty."""
+    g = tl.arange(0, G_PAD)
+    ends = tl.load(offs_ptr + g, mask=g < G, other=0)
+    ends = tl.associative_scan(tl.minimum(tl.maximum(ends, 0), M), 0, _max_combine)
+    prev = tl.load(offs_ptr + g - 1, mask=(g >= 1) & (g <= G), other=0)
+    starts = tl.associative_scan(tl.minimum(tl.maximum(prev, 0), M), 0, _max_combine)
+    return g, starts, ends
+
+
+@triton.jit
+def _pick(g_vec, g, values):
+    """values[g] as a scalar (a masked reduction: Triton has no dynamic vector indexing)."""
+    return tl.sum(tl.where(g_vec == g, values, 0), 0)
+
+
+@triton.jit
+def _grouped_mm_kernel(
+    a_ptr, b_ptr, out_ptr, bias_ptr, offs_ptr,
+    M, N, K, G,
+    stride_am, stride_ak,
+    stride_bg, stride_bk, stride_bn,
+    stride_om, stride_on,
+    stride_bias_g, stride_bias_n,
+    G_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    B_K_CONTIGUOUS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """out[r] = a[r] @ b[g] (+ bias[g]) for rows r of group g; rows past the last group get 0.
+
+    Persistent: NUM_SMS programs walk one flat list of tiles, first every group's
+    (m, n) tiles in group order, then the tiles that zero the rows past the last group.
+    Every program derives the list from ``offs`` itself, so work is spread evenly over the
+    SMs whatever the group sizes (skewed routing costs only the one partial M tile per group).
+    """
+    pid = tl.program_id(0)
+    g_vec, starts, ends = _group_bounds(offs_ptr, G, M, G_PAD)
+    sizes = ends - starts
+    num_n = tl.cdiv(N, BLOCK_N)
+    m_tiles = (sizes + BLOCK_M - 1) // BLOCK_M
+    tiles = m_tiles * num_n
+    tile_ends = tl.cumsum(tiles, 0)
+    group_tiles = tl.sum(tiles, 0)
+    rows_end = tl.max(ends, 0)
+    total_tiles = group_tiles + tl.cdiv(M - rows_end, BLOCK_M) * num_n
+
+    if USE_TMA:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+        if B_K_CONTIGUOUS:  # b[g] is the transposed view of an (N, K) nn.Linear weight
+            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[G, N, K],
+                                               strides=[stride_bg, stride_bn, 1],
+                                               block_shape=[1, BLOCK_N, BLOCK_K])
+        else:
+            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[G, K, N],
+                                               strides=[stride_bg, stride_bk, 1],
+                                               block_shape=[1, BLOCK_K, BLOCK_N])
+
+    for tile in range(pid, total_tiles, NUM_SMS):
+        if tile < group_tiles:
+            g = tl.sum((tile_ends <= tile).to(tl.int32), 0)
+            local = tile - _pick(g_vec, g, tile_ends - tiles)
+            m_start = _pick(g_vec, g, starts)
+            m_end = _pick(g_vec, g, ends)
+            group_m_tiles = _pick(g_vec, g, m_tiles)
+            # Bands of GROUP_M row tiles share their b columns in L2.
+            band_tiles = GROUP_M * num_n
+            first_m = (local // band_tiles) * GROUP_M
+            band_m = tl.minimum(group_m_tiles - first_m, GROUP_M)
+            pid_m = first_m + (local % band_tiles) % band_m
+            pid_n = (local % band_tiles) // band_m
+
+            row0 = m_start + pid_m * BLOCK_M
+            col0 = pid_n * BLOCK_N
+            rm = row0 + tl.arange(0, BLOCK_M)
+            rn = col0 + tl.arange(0, BLOCK_N)
+            rk = tl.arange(0, BLOCK_K)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if USE_TMA:
+                # Rows of the next group ride along in the last M tile; they are not stored.
+                for k0 in range(0, K, BLOCK_K):
+                    a = a_desc.load([row0, k0])
+                    if B_K_CONTIGUOUS:
+                        b = b_desc.load([g, col0, k0]).reshape(BLOCK_N, BLOCK_K).T
+                    else:
+                        b = b_desc.load([g, k0, col0]).reshape(BLOCK_K, BLOCK_N)
+                    acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            else:
+                a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
+                b_ptrs = (b_ptr + g.to(tl.int64) * stride_bg + rk[:, None] * stride_bk
+                          + rn[None, :] * stride_bn)
+                for k0 in range(0, K, BLOCK_K):
+                    k_ok = rk + k0 < K
+                    a = tl.load(a_ptrs, mask=(rm[:, None] < m_end) & k_ok[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=k_ok[:, None] & (rn[None, :] < N), other=0.0)
+                    acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+                    a_ptrs += BLOCK_K * stride_ak
+                    b_ptrs += BLOCK_K * stride_bk
+            if HAS_BIAS:
+                bias = tl.load(bias_ptr + g * stride_bias_g + rn * stride_bias_n, mask=rn < N,
+                               other=0.0)
+                acc += bias.to(tl.float32)[None, :]
+            mask = (rm[:, None] < m_end) & (rn[None, :] < N)
+        else:
+            local = tile - group_tiles
+            rm = rows_end + (local // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+            rn = (local % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            mask = (rm[:, None] < M) & (rn[None, :] < N)
+        out_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _grouped_mm_wgrad_kernel(
+    a_ptr, d_ptr, out_ptr, mask_ptr, offs_ptr,
+    M, K, N, G,
+    stride_am, stride_ak,
+    stride_dm, stride_dn,
+    stride_og, stride_ok, stride_on,
+    G_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """out[g] (K, N) = a_g^T @ d_g, reduced over the rows of group g in BLOCK_M chunks.
+
+    With ACCUMULATE, out[g] += ... (out is an fp32 main_grad); with HAS_MASK, only groups
+    whose mask entry is true accumulate, the others are overwritten. Empty groups give 0.
+    Persistent over the G * (K/BLOCK_K) * (N/BLOCK_N) output tiles, group-major so that
+    tiles running together read the same rows of a and d from L2.
+    """
+    pid = tl.program_id(0)
+    g_vec, starts, ends = _group_bounds(offs_ptr, G, M, G_PAD)
+    num_k = tl.cdiv(K, BLOCK_K)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = num_k * num_n
+    total_tiles = G * per_group
+    if USE_TMA:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+        d_desc = tl.make_tensor_descriptor(d_ptr, shape=[M, N], strides=[stride_dm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_N])
+
+    for tile in range(pid, total_tiles, NUM_SMS):
+        g = tile // per_group
+        local = tile % per_group
+        band_tiles = GROUP_M * num_n
+        first_k = (local // band_tiles) * GROUP_M
+        band_k = tl.minimum(num_k - first_k, GROUP_M)
+        pid_k = first_k + (local % band_tiles) % band_k
+        pid_n = (local % band_tiles) // band_k
+        m_start = _pick(g_vec, g, starts)
+        m_end = _pick(g_vec, g, ends)
+        rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        full_end = m_start + ((m_end - m_start) // BLOCK_M) * BLOCK_M
+        if USE_TMA:
+            # Whole chunks by TMA; the one partial chunk below masks the next group's rows
+            # (zeroing TMA-loaded data in registers would cost a shared-memory round trip).
+            for m0 in range(m_start, full_end, BLOCK_M):
+                a = a_desc.load([m0, pid_k * BLOCK_K])
+                d = d_desc.load([m0, pid_n * BLOCK_N])
+                acc = tl.dot(a.T, d, acc, input_precision=INPUT_PRECISION)
+            tail_start = full_end
+        else:
+            tail_start = m_start
+        for m0 in range(tail_start, m_end, BLOCK_M):
+            rows = m0 + rm
+            row_ok = rows < m_end
+            a = tl.load(a_ptr + rows[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak,
+                        mask=row_ok[:, None] & (rk[None, :] < K), other=0.0)
+            d = tl.load(d_ptr + rows[:, None].to(tl.int64) * stride_dm + rn[None, :] * stride_dn,
+                        mask=row_ok[:, None] & (rn[None, :] < N), other=0.0)
+            acc = tl.dot(a.T, d, acc, input_precision=INPUT_PRECISION)
+
+        out_ptrs = (out_ptr + g.to(tl.int64) * stride_og + rk[:, None].to(tl.int64) * stride_ok
+                    + rn[None, :] * stride_on)
+        out_mask = (rk[:, None] < K) & (rn[None, :] < N)
+        if ACCUMULATE:
+            keep = True
+            if HAS_MASK:
+                keep = tl.load(mask_ptr + g) != 0
+            old = tl.load(out_ptrs, mask=out_mask & keep, other=0.0)
+            acc += old.to(tl.float32)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _grouped_sum_kernel(
+    x_ptr, out_ptr, offs_ptr,
+    M, N, G,
+    stride_xm, stride_xn, stride_og, stride_on,
+    G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """out[g, n] = sum of x[r, n] over the rows r of group g; fp32 accumulation, fixed order."""
+    g = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    g_vec, starts, ends = _group_bounds(offs_ptr, G, M, G_PAD)
+    m_start = _pick(g_vec, g, starts)
+    m_end = _pick(g_vec, g, ends)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for m0 in range(m_start, m_end, BLOCK_M):
+        rows = m0 + rm
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + rn[None, :] * stride_xn,
+                    mask=(rows[:, None] < m_end) & (rn[None, :] < N), other=0.0)
+        acc += x.to(tl.float32)
+    total = tl.sum(acc, 0)
+    tl.store(out_ptr + g * stride_og + rn * stride_on, total.to(out_ptr.dtype.element_ty),
+             mask=rn < N)
+
+
+# ----------------------------------------------------------------------------------------
+# Launchers
+
+
+@functools.lru_cache(maxsize=None)
+def _num_programs(device_index: int | None) -> int:
+    if _INTERPRET or device_index is None:
+        return 4  # a few programs so that the interpreter exercises the persistent loop
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device_index(t: torch.Tensor) -> int | None:
+    return t.device.index if t.device.type == "cuda" else None
+
+
+_allocator_set = False
+
+
+def _ensure_tma_scratch() -> None:
+    """Device-side tensor descriptors need a small global scratch buffer per launch."""
+    global _allocator_set
+    if not _allocator_set:
+        def alloc(size: int, alignment: int, stream):
+            return torch.empty(size, device="cuda", dtype=torch.int8)
+        triton.set_allocator(alloc)
+        _allocator_set = True
+
+
+def _use_tma(*tensors: torch.Tensor) -> bool:
+    """TMA loads when the strides allow them and COMPILED_MOE_TMA is not 0.
+
+    The interpreter runs the TMA path too (it emulates descriptors), so the CPU tier tests it.
+    """
+    if os.environ.get("COMPILED_MOE_TMA", "1") == "0" or not _tma_ok(*tensors):
+        return False
+    if tensors[0].device.type == "cuda":
+        _ensure_tma_scratch()
+    return True
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA needs a unit inner stride and 16-byte aligned base and outer strides.
+
+    The base is checked through the storage offset (allocations are 256-byte aligned), not
+    data_ptr(), which fake tensors under torch.compile do not have.
+    """
+    for t in tensors:
+        es = t.element_size()
+        if t.stride(-1) != 1 or (t.storage_offset() * es) % 16:
+            return False
+        if any((s * es) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
+
+
+def _pad_groups(num_groups: int) -> int:
+    return max(16, triton.next_power_of_2(num_groups))
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None,
+               out: torch.Tensor) -> None:
+    """out (M, N) = grouped a (M, K) @ b (G, K, N) (+ bias (G, N)), written everywhere."""
+    M, K = a.shape
+    G, _, N = b.shape
+    if M == 0 or N == 0:
+        return
+    b_k_contiguous = b.stride(1) == 1 and b.stride(2) != 1
+    cfg = grouped_mm_config(max(1, M // G), N, K, a.dtype, a.device.type)
+    b_inner = b.transpose(1, 2) if b_k_contiguous else b
+    use_tma = _use_tma(a, b_inner)
+    num_sms = _num_programs(_device_index(a))
+    has_bias = bias is not None
+    wrap_triton(_grouped_mm_kernel)[(num_sms,)](
+        a, b, out, bias if has_bias else out, offs,
+        M, N, K, G,
+        a.stride(0), a.stride(1),
+        b.stride(0), b.stride(1), b.stride(2),
+        out.stride(0), out.stride(1),
+        bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
+        G_PAD=_pad_groups(G),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        NUM_SMS=num_sms, HAS_BIAS=has_bias, USE_TMA=use_tma, B_K_CONTIGUOUS=b_k_contiguous,
+        INPUT_PRECISION=_input_precision(a.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def grouped_mm_wgrad(a: torch.Tensor, grad_out: torch.Tensor, offs: torch.Tensor,
+                     out: torch.Tensor, accumulate: bool,
+                     accumulate_mask: torch.Tensor | None) -> None:
+    """out[g] (K, N) (+)= a_g^T @ grad_out_g; out may have any strides."""
+    M, K = a.shape
+    N = grad_out.shape[1]
+    G = out.shape[0]
+    if K == 0 or N == 0:
+        return
+    cfg = grouped_mm_wgrad_config(max(1, M // G), K, N, a.dtype, a.device.type)
+    use_tma = M > 0 and _use_tma(a, grad_out)
+    num_sms = _num_programs(_device_index(a))
+    has_mask = accumulate_mask is not None
+    wrap_triton(_grouped_mm_wgrad_kernel)[(num_sms,)](
+        a, grad_out, out, accumulate_mask if has_mask else offs, offs,
+        M, K, N, G,
+        a.stride(0), a.stride(1),
+        grad_out.stride(0), grad_out.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        G_PAD=_pad_groups(G),
+        BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
+        NUM_SMS=num_sms, ACCUMULATE=accumulate, HAS_MASK=has_mask, USE_TMA=use_tma,
+        INPUT_PRECISION=_input_precision(a.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def grouped_sum(x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
+    """out (G, N) = per-group sums of x's rows (M, N)."""
+    M, N = x.shape
+    G = out.shape[0]
+    if N == 0:
+        return
+    cfg = grouped_sum_config(N, x.device.type)
+    grid = (G, triton.cdiv(N, cfg.block_n))
+    wrap_triton(_grouped_sum_kernel)[grid](
+        x, out, offs, M, N, G,
+        x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+        G_PAD=_pad_groups(G), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+    )

@@ -1,0 +1,3 @@
+"""Op registration: importing this package registers every torch.ops.compiled_moe op."""
+
+from compiled_moe.ops import grouped_mm  # noqa: F401

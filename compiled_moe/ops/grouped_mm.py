@@ -1,0 +1,234 @@
+"""Grouped GEMM ops: schema, fake, autograd and device dispatch, side by side.
+
+torch.ops.compiled_moe.grouped_mm                 out = a @ b[g] per row group (+ bias[g])
+torch.ops.compiled_moe.grouped_mm_wgrad           out[g] = a_g^T @ grad_out_g
+torch.ops.compiled_moe.grouped_mm_wgrad_accumulate_  main_grad[g] (+)= a_g^T @ grad_out_g, in place
+torch.ops.compiled_moe.grouped_sum                out[g] = sum of x's rows in group g (dbias)
+
+They are ``triton_op``s: on CUDA the body launches Triton kernels through ``wrap_triton`` so
+inductor sees and inlines them; elsewhere the body is the pure-torch reference.
+No kernels need fixed strides (both b layouts and any a strides are handled; TMA is used when
+the strides allow it), so no layout tag is set.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from compiled_moe import reference
+from compiled_moe.ops._dispatch import (
+    check_offs,
+    check_out_dtype,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+    use_kernel,
+)
+
+
+def _kernels():
+    from compiled_moe.kernels import grouped_mm as kernels  # Triton loads only when needed
+    return kernels
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def _check_grouped_mm(a, b, offs, bias, out_dtype) -> None:
+    check_tensor("a", a, 2)
+    check_tensor("b", b, 3)
+    check_same_dtype("a", a, b=b)
+    check_offs(offs, b.shape[0])
+    check_same_device("a", a, b=b, offs=offs, bias=bias)
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"a has K={a.shape[1]} columns but b is (G, K, N) = {tuple(b.shape)}; "
+                         f"K must match (pass an (G, N, K) weight as w.transpose(-2, -1))")
+    if bias is not None:
+        check_tensor("bias", bias, 2)
+        if tuple(bias.shape) != (b.shape[0], b.shape[2]):
+            raise ValueError(f"bias must have shape (G, N) = {(b.shape[0], b.shape[2])}, "
+                             f"got {tuple(bias.shape)}")
+    check_out_dtype(out_dtype)
+
+
+def _check_wgrad(a, grad_out, offs, num_groups=None) -> None:
+    check_tensor("a", a, 2)
+    check_tensor("grad_out", grad_out, 2)
+    check_same_dtype("a", a, grad_out=grad_out)
+    check_offs(offs, num_groups)
+    check_same_device("a", a, grad_out=grad_out, offs=offs)
+    if a.shape[0] != grad_out.shape[0]:
+        raise ValueError(f"a has {a.shape[0]} rows but grad_out has {grad_out.shape[0]}; "
+                         f"they must match")
+
+
+# ---------------------------------------------------------------------------- grouped_mm
+
+
+@torch.library.triton_op("compiled_moe::grouped_mm", mutates_args=())
+def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor, bias: Optional[Tensor] = None,
+                out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    _check_grouped_mm(a, b, offs, bias, out_dtype)
+    if not use_kernel(a):
+        return reference.grouped_mm(a, b, offs, bias, out_dtype)
+    out = a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or a.dtype)
+    _kernels().grouped_mm(a, b, offs, bias, out)
+    return out
+
+
+@_grouped_mm.register_fake
+def _(a, b, offs, bias=None, out_dtype=None):
+    _check_grouped_mm(a, b, offs, bias, out_dtype)
+    return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or a.dtype)
+
+
+def _b_is_transposed_weight(b: Tensor) -> bool:
+    """b is the (G, K, N) transposed view of a contiguous (G, N, K) weight."""
+    return b.stride(1) == 1 and b.stride(2) != 1
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    a, b, offs, bias, _ = inputs
+    ctx.save_for_backward(a, b, offs)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _grouped_mm_backward(ctx, grad):
+    a, b, offs = ctx.saved_tensors
+    grad = grad.to(a.dtype)
+    grad_a = grad_b = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        # dgrad: the same kernel with b transposed, no copy (b.mT of an nn.Linear weight view
+        # is the contiguous weight itself).
+        grad_a = torch.ops.compiled_moe.grouped_mm(grad, b.mT, offs)
+    if ctx.needs_input_grad[1]:
+        if _b_is_transposed_weight(b):
+            # Write the gradient in the weight's own (G, N, K) storage order.
+            grad_b = torch.ops.compiled_moe.grouped_mm_wgrad(grad, a, offs, out_dtype=b.dtype).mT
+        else:
+            grad_b = torch.ops.compiled_moe.grouped_mm_wgrad(a, grad, offs, out_dtype=b.dtype)
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
+        grad_bias = torch.ops.compiled_moe.grouped_sum(grad, offs, out_dtype=ctx.bias_dtype)
+    return grad_a, grad_b, None, grad_bias, None
+
+
+_grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+# ---------------------------------------------------------------------------- grouped_mm_wgrad
+
+
+@torch.library.triton_op("compiled_moe::grouped_mm_wgrad", mutates_args=())
+def _grouped_mm_wgrad(a: Tensor, grad_out: Tensor, offs: Tensor,
+                      out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    _check_wgrad(a, grad_out, offs)
+    check_out_dtype(out_dtype)
+    if not use_kernel(a):
+        return reference.grouped_mm_wgrad(a, grad_out, offs, out_dtype)
+    out = a.new_empty((offs.shape[0], a.shape[1], grad_out.shape[1]), dtype=out_dtype or a.dtype)
+    _kernels().grouped_mm_wgrad(a, grad_out, offs, out, accumulate=False, accumulate_mask=None)
+    return out
+
+
+@_grouped_mm_wgrad.register_fake
+def _(a, grad_out, offs, out_dtype=None):
+    _check_wgrad(a, grad_out, offs)
+    check_out_dtype(out_dtype)
+    return a.new_empty((offs.shape[0], a.shape[1], grad_out.shape[1]), dtype=out_dtype or a.dtype)
+
+
+def _wgrad_setup(ctx, inputs, output):
+    a, grad_out, offs, _ = inputs
+    ctx.save_for_backward(a, grad_out, offs)
+
+
+def _wgrad_backward(ctx, dw):
+    a, grad_out, offs = ctx.saved_tensors
+    dw = dw.to(a.dtype)
+    da = dd = None
+    if ctx.needs_input_grad[0]:
+        da = torch.ops.compiled_moe.grouped_mm(grad_out, dw.mT, offs)
+    if ctx.needs_input_grad[1]:
+        dd = torch.ops.compiled_moe.grouped_mm(a, dw, offs)
+    return da, dd, None, None
+
+
+_grouped_mm_wgrad.register_autograd(_wgrad_backward, setup_context=_wgrad_setup)
+
+
+# ---------------------------------------------------------------------------- in-place wgrad
+
+
+def _check_wgrad_accumulate(main_grad, a, grad_out, offs, accumulate_mask) -> None:
+    check_tensor("main_grad", main_grad, 3)
+    _check_wgrad(a, grad_out, offs, main_grad.shape[0])
+    check_same_device("a", a, main_grad=main_grad, accumulate_mask=accumulate_mask)
+    expected = (main_grad.shape[0], a.shape[1], grad_out.shape[1])
+    if tuple(main_grad.shape) != expected:
+        raise ValueError(f"main_grad must have shape (G, K, N) = {expected} (pass a (G, N, K) "
+                         f"buffer as main_grad.transpose(-2, -1)), got {tuple(main_grad.shape)}")
+    if accumulate_mask is not None:
+        check_tensor("accumulate_mask", accumulate_mask, 1, dtypes=(torch.bool,))
+        if accumulate_mask.shape[0] != main_grad.shape[0]:
+            raise ValueError(f"accumulate_mask must have shape ({main_grad.shape[0]},), "
+                             f"got {tuple(accumulate_mask.shape)}")
+
+
+@torch.library.triton_op("compiled_moe::grouped_mm_wgrad_accumulate_", mutates_args=("main_grad",))
+def _grouped_mm_wgrad_accumulate_(main_grad: Tensor, a: Tensor, grad_out: Tensor, offs: Tensor,
+                                  accumulate_mask: Optional[Tensor] = None) -> None:
+    _check_wgrad_accumulate(main_grad, a, grad_out, offs, accumulate_mask)
+    if not use_kernel(a):
+        reference.grouped_mm_wgrad_accumulate_(main_grad, a, grad_out, offs, accumulate_mask)
+        return
+    _kernels().grouped_mm_wgrad(a, grad_out, offs, main_grad, accumulate=True,
+                                accumulate_mask=accumulate_mask)
+
+
+@_grouped_mm_wgrad_accumulate_.register_fake
+def _(main_grad, a, grad_out, offs, accumulate_mask=None):
+    _check_wgrad_accumulate(main_grad, a, grad_out, offs, accumulate_mask)
+
+
+# ---------------------------------------------------------------------------- grouped_sum
+
+
+def _check_grouped_sum(x, offs, out_dtype) -> None:
+    check_tensor("x", x, 2)
+    check_offs(offs)
+    check_same_device("x", x, offs=offs)
+    check_out_dtype(out_dtype)
+
+
+@torch.library.triton_op("compiled_moe::grouped_sum", mutates_args=())
+def _grouped_sum(x: Tensor, offs: Tensor, out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    _check_grouped_sum(x, offs, out_dtype)
+    if not use_kernel(x):
+        return reference.grouped_sum(x, offs, out_dtype)
+    out = x.new_empty((offs.shape[0], x.shape[1]), dtype=out_dtype or x.dtype)
+    _kernels().grouped_sum(x, offs, out)
+    return out
+
+
+@_grouped_sum.register_fake
+def _(x, offs, out_dtype=None):
+    _check_grouped_sum(x, offs, out_dtype)
+    return x.new_empty((offs.shape[0], x.shape[1]), dtype=out_dtype or x.dtype)
+
+
+def _grouped_sum_setup(ctx, inputs, output):
+    x, offs, _ = inputs
+    ctx.save_for_backward(offs)
+    ctx.x_shape = x.shape
+    ctx.x_dtype = x.dtype
+
+
+def _grouped_sum_backward(ctx, grad):
+    (offs,) = ctx.saved_tensors
+    return reference.expand_groups(grad, offs, ctx.x_shape[0]).to(ctx.x_dtype), None, None
+
+
+_grouped_sum.register_autograd(_grouped_sum_backward, setup_context=_grouped_sum_setup)

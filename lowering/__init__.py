@@ -1,0 +1,1 @@
+"""Inductor lowerings and graph passes for compiled_moe ops (installed as compiled_moe.lowering)."""
