@@ -1,0 +1,187 @@
+"""GPU tier of the grouped GEMM ops (marker gpu): real sizes on the H200, no host sync,
+CUDA-graph replay, torch.compile, opcheck."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import compiled_moe as cm
+from helpers import assert_matches_oracle, loop_grouped_mm, loop_grouped_sum, loop_wgrad
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def skewed_offsets(num_rows, num_groups, seed, empty_groups=0, tail=0):
+    """Group sizes drawn from softmax(N(0,1)) expert probabilities (the benchmark's skew)."""
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(num_groups, generator=gen), 0)
+    probs[:empty_groups] = 0
+    draws = torch.multinomial(probs, num_rows - tail, replacement=True, generator=gen)
+    counts = torch.bincount(draws, minlength=num_groups)
+    return torch.cumsum(counts, 0).to(torch.int32).to(DEV)
+
+
+@contextlib.contextmanager
+def no_sync():
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def poison_allocator(nbytes):
+    """Fill freed caching-allocator blocks with NaN so an unwritten output element shows."""
+    torch.empty(nbytes // 4 + 1024, device=DEV).fill_(float("nan"))
+    torch.cuda.synchronize()
+
+
+SHAPES = [  # (M, K, N, G)
+    (4096, 2048, 1536, 32),     # large experts
+    (2048, 512, 768, 64),       # fine-grained experts, many groups
+    (777, 136, 200, 5),         # odd sizes, TMA-alignable K
+    (300, 37, 53, 4),           # odd K: pointer loads
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_grouped_mm_gpu(shape, dtype, layout):
+    M, K, N, G = shape
+    torch.manual_seed(0)
+    a = torch.randn(M, K, device=DEV, dtype=dtype)
+    w = torch.randn(G, N, K, device=DEV, dtype=dtype) / K ** 0.5
+    b = w.transpose(1, 2) if layout == "nk" else w.transpose(1, 2).contiguous()
+    bias = torch.randn(G, N, device=DEV, dtype=dtype)
+    offs = skewed_offsets(M, G, seed=M, empty_groups=1, tail=7)
+    cm.grouped_mm(a, b, offs, bias=bias)  # compile outside the sync check
+    poison_allocator(M * N * 4)
+    with no_sync():
+        out = cm.grouped_mm(a, b, offs, bias=bias)
+    assert_matches_oracle(out, loop_grouped_mm(a, b, offs, bias),
+                          loop_grouped_mm(a, b, offs, bias, dtype=dtype), atol=1e-3)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_wgrad_gpu(shape, dtype):
+    M, K, N, G = shape
+    torch.manual_seed(1)
+    a = torch.randn(M, K, device=DEV, dtype=dtype)
+    d = torch.randn(M, N, device=DEV, dtype=dtype)
+    offs = skewed_offsets(M, G, seed=M + 1, empty_groups=1, tail=5)
+    cm.grouped_mm_wgrad(a, d, offs)
+    poison_allocator(G * K * N * 4)
+    main = torch.randn(G, N, K, device=DEV)
+    start = main.clone()
+    mask = torch.arange(G, device=DEV) % 3 != 0
+    with no_sync():
+        wg = cm.grouped_mm_wgrad(a, d, offs)
+        sums = cm.grouped_sum(d, offs)
+        cm.grouped_mm_wgrad_accumulate_(main.transpose(1, 2), a, d, offs, accumulate_mask=mask)
+    oracle = loop_wgrad(a, d, offs)
+    assert_matches_oracle(wg, oracle, loop_wgrad(a, d, offs, dtype=dtype), atol=1e-3)
+    assert_matches_oracle(sums, loop_grouped_sum(d, offs),
+                          loop_grouped_sum(d, offs, dtype=dtype), atol=1e-3)
+    expect = oracle + start.transpose(1, 2).double() * mask[:, None, None]
+    assert_matches_oracle(main.transpose(1, 2), expect,
+                          loop_wgrad(a, d, offs, dtype=dtype).double()
+                          + start.transpose(1, 2).double() * mask[:, None, None], atol=1e-3)
+
+
+def test_autograd_gpu_matches_reference():
+    M, K, N, G = 1024, 256, 384, 8
+    torch.manual_seed(2)
+    a = torch.randn(M, K, device=DEV, requires_grad=True)
+    w = torch.randn(G, N, K, device=DEV, requires_grad=True)
+    bias = torch.randn(G, N, device=DEV, requires_grad=True)
+    offs = skewed_offsets(M, G, seed=3, empty_groups=2, tail=11)
+    grad = torch.randn(M, N, device=DEV)
+    # fp32 at the default "highest" matmul precision: IEEE fp32 dots, no TF32.
+    with no_sync():
+        out = cm.grouped_mm(a, w.transpose(1, 2), offs, bias=bias)
+        out.backward(grad)
+    got = [out.detach()] + [t.grad.clone() for t in (a, w, bias)]
+    for t in (a, w, bias):
+        t.grad = None
+    from compiled_moe import reference
+
+    ref = reference.grouped_mm(a, w.transpose(1, 2), offs, bias)
+    ref.backward(grad)
+    want = [ref.detach()] + [t.grad for t in (a, w, bias)]
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-3)
+
+
+def test_cuda_graph_replay_with_new_offsets():
+    M, K, N, G = 2048, 512, 640, 16
+    torch.manual_seed(4)
+    a = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device=DEV, dtype=torch.bfloat16)
+    offs = skewed_offsets(M, G, seed=5)
+    d = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up (compiles) on a side stream, as capture requires
+        cm.grouped_mm(a, w.transpose(1, 2), offs)
+        cm.grouped_mm_wgrad(d, a, offs)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cm.grouped_mm(a, w.transpose(1, 2), offs)
+        wg = cm.grouped_mm_wgrad(d, a, offs)
+    for seed in (6, 7, 8):
+        offs.copy_(skewed_offsets(M, G, seed=seed, empty_groups=seed % 3, tail=seed * 10))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, cm.grouped_mm(a, w.transpose(1, 2), offs))
+        assert torch.equal(wg, cm.grouped_mm_wgrad(d, a, offs))
+
+
+def test_compile_gpu_dynamic():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    K, N, G = 256, 512, 8
+    w = torch.randn(G, N, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+
+    def step(x, offs):
+        return torch.nn.functional.silu(cm.grouped_mm(x, w.transpose(1, 2), offs)).float().sum()
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    for M in (500, 1024, 1999):
+        x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        offs = skewed_offsets(M, G, seed=M, empty_groups=1, tail=3)
+        got = compiled(x, offs)
+        got.backward()
+        gx, gw = x.grad.clone(), w.grad.clone()
+        x.grad = w.grad = None
+        want = step(x, offs)
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-1)
+        torch.testing.assert_close(gx, x.grad, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(gw, w.grad, rtol=1e-2, atol=1e-1)
+        w.grad = None
+    assert counter.frame_count == 1
+
+
+def test_opcheck_gpu():
+    M, K, N, G = 256, 64, 96, 4
+    a = torch.randn(M, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(G, N, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    bias = torch.randn(G, N, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    d = torch.randn(M, N, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    offs = skewed_offsets(M, G, seed=9, empty_groups=1)
+    ops = torch.ops.compiled_moe
+    torch.library.opcheck(ops.grouped_mm.default, (a, w.transpose(1, 2), offs, bias, None))
+    torch.library.opcheck(ops.grouped_mm_wgrad.default, (a, d, offs, None))
+    torch.library.opcheck(ops.grouped_sum.default, (d, offs, torch.float32))
+    torch.library.opcheck(ops.grouped_mm_wgrad_accumulate_.default,
+                          (torch.zeros(G, K, N, device=DEV), a.detach(), d.detach(), offs, None))
