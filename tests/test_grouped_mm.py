@@ -250,14 +250,14 @@ def test_kernel_wgrad_interpreter(case, dtype, tma, monkeypatch):
     assert_matches_oracle(out, loop_wgrad(a, d, offs), loop_wgrad(a, d, offs, dtype=dtype),
                           atol=1e-3)
 
-    # In-place accumulation into an fp32 (G, N, K) buffer seen as (G, K, N), with a mask.
-    main = torch.randn(G, N, K)
-    start = main.clone()
+    # In-place accumulation with a mask into an fp32 buffer: (G, K, N) itself (TMA store when
+    # enabled) and a (G, N, K) buffer seen as (G, K, N) (strided stores).
     mask = torch.arange(G) % 2 == 0
-    kernels.grouped_mm_wgrad(a, d, offs, main.transpose(1, 2), accumulate=True,
-                             accumulate_mask=mask)
-    expect = loop_wgrad(a, d, offs) + start.transpose(1, 2).double() * mask[:, None, None]
-    assert_matches_oracle(main.transpose(1, 2), expect, expect.float(), atol=1e-3)
+    for main in (torch.randn(G, K, N), torch.randn(G, N, K).transpose(1, 2)):
+        start = main.clone()
+        kernels.grouped_mm_wgrad(a, d, offs, main, accumulate=True, accumulate_mask=mask)
+        expect = loop_wgrad(a, d, offs) + start.double() * mask[:, None, None]
+        assert_matches_oracle(main, expect, expect.float(), atol=1e-3)
 
     sums = torch.full((G, N), float("nan"), dtype=dtype)
     kernels.grouped_sum(d, offs, sums)

@@ -22,10 +22,12 @@ class TileConfig:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    warp_specialize: bool = False  # producer/consumer warps on the main loop
 
     def __str__(self) -> str:
         return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} BLOCK_K={self.block_k} "
-                f"GROUP_M={self.group_m} warps={self.num_warps} stages={self.num_stages}")
+                f"GROUP_M={self.group_m} warps={self.num_warps} stages={self.num_stages} "
+                f"warp_specialize={int(self.warp_specialize)}")
 
 
 def _log(kind: str, key: tuple, cfg: TileConfig) -> None:
@@ -39,11 +41,13 @@ _INTERPRETER_TILE = TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, nu
 
 
 def _env_override() -> TileConfig | None:
-    """COMPILED_MOE_TILE="BM,BN,BK,GROUP_M,warps,stages" forces one tile (benchmark sweeps)."""
+    """COMPILED_MOE_TILE="BM,BN,BK,GROUP_M,warps,stages[,warp_specialize]" forces one tile
+    (benchmark sweeps)."""
     spec = os.environ.get("COMPILED_MOE_TILE")
     if not spec:
         return None
-    return TileConfig(*(int(v) for v in spec.split(",")))
+    vals = [int(v) for v in spec.split(",")]
+    return TileConfig(*vals[:6], *(bool(v) for v in vals[6:]))
 
 
 @functools.lru_cache(maxsize=None)

@@ -53,6 +53,13 @@ def _pick(g_vec, g, values):
 
 
 @triton.jit
+def _store_rows(out_ptr, rm, rn, row_end, N, stride_om, stride_on, c):
+    """Masked store of a tile: rows below row_end, columns below N."""
+    ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on
+    tl.store(ptrs, c, mask=(rm[:, None] < row_end) & (rn[None, :] < N))
+
+
+@triton.jit
 def _grouped_mm_kernel(
     a_ptr, b_ptr, out_ptr, bias_ptr, offs_ptr,
     M, N, K, G,
@@ -65,7 +72,9 @@ def _grouped_mm_kernel(
     NUM_SMS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     USE_TMA: tl.constexpr,
+    TMA_STORE: tl.constexpr,
     B_K_CONTIGUOUS: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     """out[r] = a[r] @ b[g] (+ bias[g]) for rows r of group g; rows past the last group get 0.
@@ -97,6 +106,9 @@ def _grouped_mm_kernel(
             b_desc = tl.make_tensor_descriptor(b_ptr, shape=[G, K, N],
                                                strides=[stride_bg, stride_bk, 1],
                                                block_shape=[1, BLOCK_K, BLOCK_N])
+    if TMA_STORE:
+        out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[stride_om, 1],
+                                             block_shape=[BLOCK_M, BLOCK_N])
 
     for tile in range(pid, total_tiles, NUM_SMS):
         if tile < group_tiles:
@@ -120,7 +132,7 @@ def _grouped_mm_kernel(
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             if USE_TMA:
                 # Rows of the next group ride along in the last M tile; they are not stored.
-                for k0 in range(0, K, BLOCK_K):
+                for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
                     a = a_desc.load([row0, k0])
                     if B_K_CONTIGUOUS:
                         b = b_desc.load([g, col0, k0]).reshape(BLOCK_N, BLOCK_K).T
@@ -142,15 +154,22 @@ def _grouped_mm_kernel(
                 bias = tl.load(bias_ptr + g * stride_bias_g + rn * stride_bias_n, mask=rn < N,
                                other=0.0)
                 acc += bias.to(tl.float32)[None, :]
-            mask = (rm[:, None] < m_end) & (rn[None, :] < N)
+            c = acc.to(out_ptr.dtype.element_ty)
+            if TMA_STORE:
+                # A tile inside its group goes out by TMA (asynchronous: it overlaps the next
+                # tile's loads); the group's last tile must not write the next group's rows.
+                if row0 + BLOCK_M <= m_end:
+                    out_desc.store([row0, col0], c)
+                else:
+                    _store_rows(out_ptr, rm, rn, m_end, N, stride_om, stride_on, c)
+            else:
+                _store_rows(out_ptr, rm, rn, m_end, N, stride_om, stride_on, c)
         else:
             local = tile - group_tiles
             rm = rows_end + (local // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
             rn = (local % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            mask = (rm[:, None] < M) & (rn[None, :] < N)
-        out_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
+            _store_rows(out_ptr, rm, rn, M, N, stride_om, stride_on, zeros)
 
 
 @triton.jit
@@ -166,6 +185,8 @@ def _grouped_mm_wgrad_kernel(
     ACCUMULATE: tl.constexpr,
     HAS_MASK: tl.constexpr,
     USE_TMA: tl.constexpr,
+    TMA_STORE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     """out[g] (K, N) = a_g^T @ d_g, reduced over the rows of group g in BLOCK_M chunks.
@@ -186,6 +207,12 @@ def _grouped_mm_wgrad_kernel(
                                            block_shape=[BLOCK_M, BLOCK_K])
         d_desc = tl.make_tensor_descriptor(d_ptr, shape=[M, N], strides=[stride_dm, 1],
                                            block_shape=[BLOCK_M, BLOCK_N])
+    if TMA_STORE:
+        # Output tiles never cross a group (the descriptor has a G dimension): every tile can
+        # go out asynchronously. Writing (G, K, N) is most of GPT-OSS's wgrad time.
+        out_desc = tl.make_tensor_descriptor(out_ptr, shape=[G, K, N],
+                                             strides=[stride_og, stride_ok, 1],
+                                             block_shape=[1, BLOCK_K, BLOCK_N])
 
     for tile in range(pid, total_tiles, NUM_SMS):
         g = tile // per_group
@@ -205,7 +232,7 @@ def _grouped_mm_wgrad_kernel(
         if USE_TMA:
             # Whole chunks by TMA; the one partial chunk below masks the next group's rows
             # (zeroing TMA-loaded data in registers would cost a shared-memory round trip).
-            for m0 in range(m_start, full_end, BLOCK_M):
+            for m0 in tl.range(m_start, full_end, BLOCK_M, warp_specialize=WARP_SPECIALIZE):
                 a = a_desc.load([m0, pid_k * BLOCK_K])
                 d = d_desc.load([m0, pid_n * BLOCK_N])
                 acc = tl.dot(a.T, d, acc, input_precision=INPUT_PRECISION)
@@ -228,9 +255,17 @@ def _grouped_mm_wgrad_kernel(
             keep = True
             if HAS_MASK:
                 keep = tl.load(mask_ptr + g) != 0
-            old = tl.load(out_ptrs, mask=out_mask & keep, other=0.0)
-            acc += old.to(tl.float32)
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+            if TMA_STORE:
+                old = out_desc.load([g, pid_k * BLOCK_K, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
+                acc += tl.where(keep, old.to(tl.float32), 0.0)
+            else:
+                old = tl.load(out_ptrs, mask=out_mask & keep, other=0.0)
+                acc += old.to(tl.float32)
+        c = acc.to(out_ptr.dtype.element_ty)
+        if TMA_STORE:
+            out_desc.store([g, pid_k * BLOCK_K, pid_n * BLOCK_N], c.reshape(1, BLOCK_K, BLOCK_N))
+        else:
+            tl.store(out_ptrs, c, mask=out_mask)
 
 
 @triton.jit
@@ -274,17 +309,17 @@ def _device_index(t: torch.Tensor) -> int | None:
     return t.device.index if t.device.type == "cuda" else None
 
 
-_allocator_set = False
+def _tma_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
 def _ensure_tma_scratch() -> None:
-    """Device-side tensor descriptors need a small global scratch buffer per launch."""
-    global _allocator_set
-    if not _allocator_set:
-        def alloc(size: int, alignment: int, stream):
-            return torch.empty(size, device="cuda", dtype=torch.int8)
-        triton.set_allocator(alloc)
-        _allocator_set = True
+    """Device-side tensor descriptors need a small global scratch buffer per launch.
+
+    Triton keeps the allocator in a ContextVar, so it is set on every launch: autograd runs
+    backward in threads of its own, which would otherwise see no allocator.
+    """
+    triton.set_allocator(_tma_scratch)
 
 
 def _use_tma(*tensors: torch.Tensor) -> bool:
@@ -335,6 +370,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bias: torch
     cfg = grouped_mm_config(max(1, M // G), N, K, a.dtype, a.device.type)
     b_inner = b.transpose(1, 2) if b_k_contiguous else b
     use_tma = _use_tma(a, b_inner)
+    tma_store = use_tma and _tma_ok(out)
     num_sms = _num_programs(_device_index(a))
     has_bias = bias is not None
     wrap_triton(_grouped_mm_kernel)[(num_sms,)](
@@ -346,7 +382,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bias: torch
         bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
         G_PAD=_pad_groups(G),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        NUM_SMS=num_sms, HAS_BIAS=has_bias, USE_TMA=use_tma, B_K_CONTIGUOUS=b_k_contiguous,
+        NUM_SMS=num_sms, HAS_BIAS=has_bias, USE_TMA=use_tma, TMA_STORE=tma_store,
+        B_K_CONTIGUOUS=b_k_contiguous, WARP_SPECIALIZE=cfg.warp_specialize,
         INPUT_PRECISION=_input_precision(a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -363,6 +400,7 @@ def grouped_mm_wgrad(a: torch.Tensor, grad_out: torch.Tensor, offs: torch.Tensor
         return
     cfg = grouped_mm_wgrad_config(max(1, M // G), K, N, a.dtype, a.device.type)
     use_tma = M > 0 and _use_tma(a, grad_out)
+    tma_store = use_tma and _tma_ok(out)
     num_sms = _num_programs(_device_index(a))
     has_mask = accumulate_mask is not None
     wrap_triton(_grouped_mm_wgrad_kernel)[(num_sms,)](
@@ -374,6 +412,7 @@ def grouped_mm_wgrad(a: torch.Tensor, grad_out: torch.Tensor, offs: torch.Tensor
         G_PAD=_pad_groups(G),
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
         NUM_SMS=num_sms, ACCUMULATE=accumulate, HAS_MASK=has_mask, USE_TMA=use_tma,
+        TMA_STORE=tma_store, WARP_SPECIALIZE=cfg.warp_specialize,
         INPUT_PRECISION=_input_precision(a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
