@@ -75,6 +75,7 @@ def _grouped_mm_kernel(
     TMA_STORE: tl.constexpr,
     B_K_CONTIGUOUS: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    FLATTEN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     """out[r] = a[r] @ b[g] (+ bias[g]) for rows r of group g; rows past the last group get 0.
@@ -93,7 +94,7 @@ def _grouped_mm_kernel(
     tile_ends = tl.cumsum(tiles, 0)
     group_tiles = tl.sum(tiles, 0)
     rows_end = tl.max(ends, 0)
-    total_tiles = group_tiles + tl.cdiv(M - rows_end, BLOCK_M) * num_n
+    tail_tiles = tl.cdiv(M - rows_end, BLOCK_M) * num_n
 
     if USE_TMA:
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
@@ -110,66 +111,70 @@ def _grouped_mm_kernel(
         out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[stride_om, 1],
                                              block_shape=[BLOCK_M, BLOCK_N])
 
-    for tile in range(pid, total_tiles, NUM_SMS):
-        if tile < group_tiles:
-            g = tl.sum((tile_ends <= tile).to(tl.int32), 0)
-            local = tile - _pick(g_vec, g, tile_ends - tiles)
-            m_start = _pick(g_vec, g, starts)
-            m_end = _pick(g_vec, g, ends)
-            group_m_tiles = _pick(g_vec, g, m_tiles)
-            # Bands of GROUP_M row tiles share their b columns in L2.
-            band_tiles = GROUP_M * num_n
-            first_m = (local // band_tiles) * GROUP_M
-            band_m = tl.minimum(group_m_tiles - first_m, GROUP_M)
-            pid_m = first_m + (local % band_tiles) % band_m
-            pid_n = (local % band_tiles) // band_m
+    # FLATTEN fuses this loop with the K loop so the next tile's loads overlap this tile's
+    # last MMAs and epilogue; WARP_SPECIALIZE 1 splits the K loop, 2 this loop, into
+    # producer and consumer warps.
+    for tile in tl.range(pid, group_tiles, NUM_SMS, flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE == 2):
+        g = tl.sum((tile_ends <= tile).to(tl.int32), 0)
+        local = tile - _pick(g_vec, g, tile_ends - tiles)
+        m_start = _pick(g_vec, g, starts)
+        m_end = _pick(g_vec, g, ends)
+        group_m_tiles = _pick(g_vec, g, m_tiles)
+        # Bands of GROUP_M row tiles share their b columns in L2.
+        band_tiles = GROUP_M * num_n
+        first_m = (local // band_tiles) * GROUP_M
+        band_m = tl.minimum(group_m_tiles - first_m, GROUP_M)
+        pid_m = first_m + (local % band_tiles) % band_m
+        pid_n = (local % band_tiles) // band_m
 
-            row0 = m_start + pid_m * BLOCK_M
-            col0 = pid_n * BLOCK_N
-            rm = row0 + tl.arange(0, BLOCK_M)
-            rn = col0 + tl.arange(0, BLOCK_N)
-            rk = tl.arange(0, BLOCK_K)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            if USE_TMA:
-                # Rows of the next group ride along in the last M tile; they are not stored.
-                for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
-                    a = a_desc.load([row0, k0])
-                    if B_K_CONTIGUOUS:
-                        b = b_desc.load([g, col0, k0]).reshape(BLOCK_N, BLOCK_K).T
-                    else:
-                        b = b_desc.load([g, k0, col0]).reshape(BLOCK_K, BLOCK_N)
-                    acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-            else:
-                a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
-                b_ptrs = (b_ptr + g.to(tl.int64) * stride_bg + rk[:, None] * stride_bk
-                          + rn[None, :] * stride_bn)
-                for k0 in range(0, K, BLOCK_K):
-                    k_ok = rk + k0 < K
-                    a = tl.load(a_ptrs, mask=(rm[:, None] < m_end) & k_ok[None, :], other=0.0)
-                    b = tl.load(b_ptrs, mask=k_ok[:, None] & (rn[None, :] < N), other=0.0)
-                    acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-                    a_ptrs += BLOCK_K * stride_ak
-                    b_ptrs += BLOCK_K * stride_bk
-            if HAS_BIAS:
-                bias = tl.load(bias_ptr + g * stride_bias_g + rn * stride_bias_n, mask=rn < N,
-                               other=0.0)
-                acc += bias.to(tl.float32)[None, :]
-            c = acc.to(out_ptr.dtype.element_ty)
-            if TMA_STORE:
-                # A tile inside its group goes out by TMA (asynchronous: it overlaps the next
-                # tile's loads); the group's last tile must not write the next group's rows.
-                if row0 + BLOCK_M <= m_end:
-                    out_desc.store([row0, col0], c)
+        row0 = m_start + pid_m * BLOCK_M
+        col0 = pid_n * BLOCK_N
+        rm = row0 + tl.arange(0, BLOCK_M)
+        rn = col0 + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if USE_TMA:
+            # Rows of the next group ride along in the last M tile; they are not stored.
+            for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE == 1):
+                a = a_desc.load([row0, k0])
+                if B_K_CONTIGUOUS:
+                    b = b_desc.load([g, col0, k0]).reshape(BLOCK_N, BLOCK_K).T
                 else:
-                    _store_rows(out_ptr, rm, rn, m_end, N, stride_om, stride_on, c)
+                    b = b_desc.load([g, k0, col0]).reshape(BLOCK_K, BLOCK_N)
+                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        else:
+            a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
+            b_ptrs = (b_ptr + g.to(tl.int64) * stride_bg + rk[:, None] * stride_bk
+                      + rn[None, :] * stride_bn)
+            for k0 in range(0, K, BLOCK_K):
+                k_ok = rk + k0 < K
+                a = tl.load(a_ptrs, mask=(rm[:, None] < m_end) & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & (rn[None, :] < N), other=0.0)
+                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + g * stride_bias_g + rn * stride_bias_n, mask=rn < N,
+                           other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        c = acc.to(out_ptr.dtype.element_ty)
+        if TMA_STORE:
+            # A tile inside its group goes out by TMA (asynchronous: it overlaps the next
+            # tile's loads); the group's last tile must not write the next group's rows.
+            if row0 + BLOCK_M <= m_end:
+                out_desc.store([row0, col0], c)
             else:
                 _store_rows(out_ptr, rm, rn, m_end, N, stride_om, stride_on, c)
         else:
-            local = tile - group_tiles
-            rm = rows_end + (local // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-            rn = (local % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
-            _store_rows(out_ptr, rm, rn, M, N, stride_om, stride_on, zeros)
+            _store_rows(out_ptr, rm, rn, m_end, N, stride_om, stride_on, c)
+
+    # Rows past the last group are zeros.
+    for local in range(pid, tail_tiles, NUM_SMS):
+        rm = rows_end + (local // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = (local % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
+        _store_rows(out_ptr, rm, rn, M, N, stride_om, stride_on, zeros)
 
 
 @triton.jit
@@ -214,7 +219,7 @@ def _grouped_mm_wgrad_kernel(
                                              strides=[stride_og, stride_ok, 1],
                                              block_shape=[1, BLOCK_K, BLOCK_N])
 
-    for tile in range(pid, total_tiles, NUM_SMS):
+    for tile in tl.range(pid, total_tiles, NUM_SMS, warp_specialize=WARP_SPECIALIZE == 2):
         g = tile // per_group
         local = tile % per_group
         band_tiles = GROUP_M * num_n
@@ -232,7 +237,7 @@ def _grouped_mm_wgrad_kernel(
         if USE_TMA:
             # Whole chunks by TMA; the one partial chunk below masks the next group's rows
             # (zeroing TMA-loaded data in registers would cost a shared-memory round trip).
-            for m0 in tl.range(m_start, full_end, BLOCK_M, warp_specialize=WARP_SPECIALIZE):
+            for m0 in tl.range(m_start, full_end, BLOCK_M, warp_specialize=WARP_SPECIALIZE == 1):
                 a = a_desc.load([m0, pid_k * BLOCK_K])
                 d = d_desc.load([m0, pid_n * BLOCK_N])
                 acc = tl.dot(a.T, d, acc, input_precision=INPUT_PRECISION)
@@ -359,6 +364,15 @@ def _pad_groups(num_groups: int) -> int:
     return max(16, triton.next_power_of_2(num_groups))
 
 
+def _size_hint(x) -> int:
+    """A concrete value of a size that may be symbolic under torch.compile, read without a guard:
+    tile choice never changes results, so a compiled graph may keep one tile for all sizes."""
+    if isinstance(x, int):
+        return x
+    hint = getattr(getattr(x, "node", None), "hint", None)
+    return int(hint) if hint is not None else 1
+
+
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None,
                out: torch.Tensor) -> None:
     """out (M, N) = grouped a (M, K) @ b (G, K, N) (+ bias (G, N)), written everywhere."""
@@ -367,7 +381,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bias: torch
     if M == 0 or N == 0:
         return
     b_k_contiguous = b.stride(1) == 1 and b.stride(2) != 1
-    cfg = grouped_mm_config(max(1, M // G), N, K, a.dtype, a.device.type)
+    cfg = grouped_mm_config(max(1, _size_hint(M) // G), _size_hint(N), _size_hint(K), a.dtype,
+                            a.device.type)
     b_inner = b.transpose(1, 2) if b_k_contiguous else b
     use_tma = _use_tma(a, b_inner)
     tma_store = use_tma and _tma_ok(out)
@@ -383,7 +398,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bias: torch
         G_PAD=_pad_groups(G),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         NUM_SMS=num_sms, HAS_BIAS=has_bias, USE_TMA=use_tma, TMA_STORE=tma_store,
-        B_K_CONTIGUOUS=b_k_contiguous, WARP_SPECIALIZE=cfg.warp_specialize,
+        B_K_CONTIGUOUS=b_k_contiguous, WARP_SPECIALIZE=cfg.warp_specialize, FLATTEN=cfg.flatten,
         INPUT_PRECISION=_input_precision(a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -398,7 +413,8 @@ def grouped_mm_wgrad(a: torch.Tensor, grad_out: torch.Tensor, offs: torch.Tensor
     G = out.shape[0]
     if K == 0 or N == 0:
         return
-    cfg = grouped_mm_wgrad_config(max(1, M // G), K, N, a.dtype, a.device.type)
+    cfg = grouped_mm_wgrad_config(max(1, _size_hint(M) // G), _size_hint(K), _size_hint(N),
+                                  a.dtype, a.device.type)
     use_tma = M > 0 and _use_tma(a, grad_out)
     tma_store = use_tma and _tma_ok(out)
     num_sms = _num_programs(_device_index(a))
