@@ -23,12 +23,12 @@ class TileConfig:
     num_warps: int = 8
     num_stages: int = 3
     warp_specialize: int = 0  # producer/consumer warps: 0 none, 1 on the K loop, 2 on the tile loop
-    flatten: bool = False  # fuse the persistent tile loop with the K loop (forward kernel)
+    ctas_per_sm: int = 1  # persistent programs per SM: 2 lets one's epilogue overlap the other
 
     def __str__(self) -> str:
         return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} BLOCK_K={self.block_k} "
                 f"GROUP_M={self.group_m} warps={self.num_warps} stages={self.num_stages} "
-                f"warp_specialize={self.warp_specialize} flatten={int(self.flatten)}")
+                f"warp_specialize={self.warp_specialize} ctas_per_sm={self.ctas_per_sm}")
 
 
 def _log(kind: str, key: tuple, cfg: TileConfig) -> None:
@@ -42,13 +42,12 @@ _INTERPRETER_TILE = TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, nu
 
 
 def _env_override() -> TileConfig | None:
-    """COMPILED_MOE_TILE="BM,BN,BK,GROUP_M,warps,stages[,warp_specialize[,flatten]]" forces one
-    tile (benchmark sweeps)."""
+    """COMPILED_MOE_TILE="BM,BN,BK,GROUP_M,warps,stages[,warp_specialize[,ctas_per_sm]]" forces
+    one tile (benchmark sweeps)."""
     spec = os.environ.get("COMPILED_MOE_TILE")
     if not spec:
         return None
-    vals = [int(v) for v in spec.split(",")]
-    return TileConfig(*vals[:7], *(bool(v) for v in vals[7:]))
+    return TileConfig(*(int(v) for v in spec.split(",")))
 
 
 @functools.lru_cache(maxsize=None)

@@ -75,7 +75,6 @@ def _grouped_mm_kernel(
     TMA_STORE: tl.constexpr,
     B_K_CONTIGUOUS: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
-    FLATTEN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     """out[r] = a[r] @ b[g] (+ bias[g]) for rows r of group g; rows past the last group get 0.
@@ -111,11 +110,9 @@ def _grouped_mm_kernel(
         out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[stride_om, 1],
                                              block_shape=[BLOCK_M, BLOCK_N])
 
-    # FLATTEN fuses this loop with the K loop so the next tile's loads overlap this tile's
-    # last MMAs and epilogue; WARP_SPECIALIZE 1 splits the K loop, 2 this loop, into
-    # producer and consumer warps.
-    for tile in tl.range(pid, group_tiles, NUM_SMS, flatten=FLATTEN,
-                         warp_specialize=WARP_SPECIALIZE == 2):
+    # WARP_SPECIALIZE 1 splits the K loop, 2 this loop, into producer and consumer warps.
+    # (Triton 3.6 fails to compile this loop with flatten=True.)
+    for tile in tl.range(pid, group_tiles, NUM_SMS, warp_specialize=WARP_SPECIALIZE == 2):
         g = tl.sum((tile_ends <= tile).to(tl.int32), 0)
         local = tile - _pick(g_vec, g, tile_ends - tiles)
         m_start = _pick(g_vec, g, starts)
@@ -304,7 +301,7 @@ def _grouped_sum_kernel(
 
 
 @functools.lru_cache(maxsize=None)
-def _num_programs(device_index: int | None) -> int:
+def _num_sms(device_index: int | None) -> int:
     if _INTERPRET or device_index is None:
         return 4  # a few programs so that the interpreter exercises the persistent loop
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -378,6 +375,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bias: torch
     """out (M, N) = grouped a (M, K) @ b (G, K, N) (+ bias (G, N)), written everywhere."""
     M, K = a.shape
     G, _, N = b.shape
+    G = int(G)  # the number of groups is specialised under torch.compile: G_PAD is a constexpr
     if M == 0 or N == 0:
         return
     b_k_contiguous = b.stride(1) == 1 and b.stride(2) != 1
@@ -386,9 +384,9 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bias: torch
     b_inner = b.transpose(1, 2) if b_k_contiguous else b
     use_tma = _use_tma(a, b_inner)
     tma_store = use_tma and _tma_ok(out)
-    num_sms = _num_programs(_device_index(a))
+    num_programs = _num_sms(_device_index(a)) * cfg.ctas_per_sm
     has_bias = bias is not None
-    wrap_triton(_grouped_mm_kernel)[(num_sms,)](
+    wrap_triton(_grouped_mm_kernel)[(num_programs,)](
         a, b, out, bias if has_bias else out, offs,
         M, N, K, G,
         a.stride(0), a.stride(1),
@@ -397,8 +395,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bias: torch
         bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
         G_PAD=_pad_groups(G),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        NUM_SMS=num_sms, HAS_BIAS=has_bias, USE_TMA=use_tma, TMA_STORE=tma_store,
-        B_K_CONTIGUOUS=b_k_contiguous, WARP_SPECIALIZE=cfg.warp_specialize, FLATTEN=cfg.flatten,
+        NUM_SMS=num_programs, HAS_BIAS=has_bias, USE_TMA=use_tma, TMA_STORE=tma_store,
+        B_K_CONTIGUOUS=b_k_contiguous, WARP_SPECIALIZE=cfg.warp_specialize,
         INPUT_PRECISION=_input_precision(a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -410,16 +408,16 @@ def grouped_mm_wgrad(a: torch.Tensor, grad_out: torch.Tensor, offs: torch.Tensor
     """out[g] (K, N) (+)= a_g^T @ grad_out_g; out may have any strides."""
     M, K = a.shape
     N = grad_out.shape[1]
-    G = out.shape[0]
+    G = int(out.shape[0])  # specialised under torch.compile: G_PAD is a constexpr
     if K == 0 or N == 0:
         return
     cfg = grouped_mm_wgrad_config(max(1, _size_hint(M) // G), _size_hint(K), _size_hint(N),
                                   a.dtype, a.device.type)
     use_tma = M > 0 and _use_tma(a, grad_out)
     tma_store = use_tma and _tma_ok(out)
-    num_sms = _num_programs(_device_index(a))
+    num_programs = _num_sms(_device_index(a)) * cfg.ctas_per_sm
     has_mask = accumulate_mask is not None
-    wrap_triton(_grouped_mm_wgrad_kernel)[(num_sms,)](
+    wrap_triton(_grouped_mm_wgrad_kernel)[(num_programs,)](
         a, grad_out, out, accumulate_mask if has_mask else offs, offs,
         M, K, N, G,
         a.stride(0), a.stride(1),
@@ -427,7 +425,7 @@ def grouped_mm_wgrad(a: torch.Tensor, grad_out: torch.Tensor, offs: torch.Tensor
         out.stride(0), out.stride(1), out.stride(2),
         G_PAD=_pad_groups(G),
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
-        NUM_SMS=num_sms, ACCUMULATE=accumulate, HAS_MASK=has_mask, USE_TMA=use_tma,
+        NUM_SMS=num_programs, ACCUMULATE=accumulate, HAS_MASK=has_mask, USE_TMA=use_tma,
         TMA_STORE=tma_store, WARP_SPECIALIZE=cfg.warp_specialize,
         INPUT_PRECISION=_input_precision(a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -437,7 +435,7 @@ def grouped_mm_wgrad(a: torch.Tensor, grad_out: torch.Tensor, offs: torch.Tensor
 def grouped_sum(x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
     """out (G, N) = per-group sums of x's rows (M, N)."""
     M, N = x.shape
-    G = out.shape[0]
+    G = int(out.shape[0])  # specialised under torch.compile: G_PAD is a constexpr
     if N == 0:
         return
     cfg = grouped_sum_config(N, x.device.type)
