@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tier and benchmarks on a CUDA machine (the H200): install, run the tests marked gpu,
-# then the benchmarks. Logs and JSON go to $OUT (default ./out). Extra arguments are passed
+# then the demo and the benchmarks. Logs and JSON go to $OUT (default ./out). Extra arguments are passed
 # to pytest (e.g. -x, -k name).
 set -o pipefail
 OUT=${OUT:-out}
@@ -9,6 +9,7 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-build-isolation --no-deps -e . || exit 1
 python3 -m pytest -q -m gpu tests "$@" 2>&1 | tee "$OUT/gpu_tests.log"
 status=$?
+python3 -m compiled_moe.demo 2>&1 | tee "$OUT/demo.log" || status=1
 python3 benchmarks/bench_grouped_mm.py --json "$OUT/bench_grouped_mm.json" 2>&1 \
     | tee "$OUT/bench_grouped_mm.log" || status=1
 exit $status
