@@ -438,7 +438,7 @@ def grouped_sum(x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
     G = int(out.shape[0])  # specialised under torch.compile: G_PAD is a constexpr
     if N == 0:
         return
-    cfg = grouped_sum_config(N, x.device.type)
+    cfg = grouped_sum_config(_size_hint(N), x.device.type)
     grid = (G, triton.cdiv(N, cfg.block_n))
     wrap_triton(_grouped_sum_kernel)[grid](
         x, out, offs, M, N, G,
