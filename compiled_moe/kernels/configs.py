@@ -50,30 +50,33 @@ def _env_override() -> TileConfig | None:
     return TileConfig(*(int(v) for v in spec.split(",")))
 
 
-@functools.lru_cache(maxsize=None)
-def grouped_mm_config(rows_per_group: int, n: int, k: int, dtype: torch.dtype,
-                      device_type: str) -> TileConfig:
-    """Tile of the forward/dgrad kernel: out (M, N) = a (M, K) @ b[g] (K, N).
-
-    ``rows_per_group`` is M / G, the mean group size: it sets BLOCK_M, since every group
-    ends in a partial M tile whose padding rows are computed and thrown away.
-    """
-    key = ("grouped_mm", rows_per_group, n, k, str(dtype), device_type)
+def _choose(kind: str, key: tuple, device_type: str, heuristic) -> TileConfig:
+    """The interpreter tile on CPU, else COMPILED_MOE_TILE if set, else the heuristic's tile."""
     if device_type != "cuda":
         cfg = _INTERPRETER_TILE
-    elif (forced := _env_override()) is not None:
-        cfg = forced
-    elif dtype == torch.float32:
-        cfg = TileConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=3)
     else:
-        # 128x256x64, 8 warps, 3 stages was the fastest or within 3% of it on every bf16 shape
-        # of the benchmark (H200 sweep; 4 stages no longer fit beside the TMA-store buffer).
-        # Warp-specializing the tile loop gained 0-7% on most shapes (DeepSeek fc2 dgrad +7%,
-        # Qwen3 fc1 forward +5%) and lost at most 2-3% (DeepSeek fc1 forward) in the same sweep.
-        cfg = TileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3,
-                         warp_specialize=2)
-    _log(*key[:1], key[1:], cfg)
+        cfg = _env_override() or heuristic()
+    _log(kind, key, cfg)
     return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_mm_config(n: int, k: int, dtype: torch.dtype, device_type: str) -> TileConfig:
+    """Tile of the forward/dgrad kernel: out (M, N) = a (M, K) @ b[g] (K, N).
+
+    Independent of M (the token count), so a compiled graph keeps one tile for every step.
+    """
+    def heuristic():
+        if dtype == torch.float32:
+            return TileConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=3)
+        # 128x256x64, 8 warps, 3 stages was the fastest or within 3% of it on every bf16
+        # shape of the benchmark (H200 sweep; 4 stages no longer fit beside the TMA-store
+        # buffer). Warp-specializing the tile loop gained 0-7% on most shapes (DeepSeek fc2
+        # dgrad +7%, Qwen3 fc1 forward +5%) and lost at most 2-3% (DeepSeek fc1 forward).
+        return TileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3,
+                          warp_specialize=2)
+
+    return _choose("grouped_mm", (n, k, str(dtype)), device_type, heuristic)
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,25 +85,22 @@ def grouped_mm_wgrad_config(rows_per_group: int, k: int, n: int, dtype: torch.dt
     """Tile of the weight-gradient kernel: out[g] (K, N) = a_g^T (K, m_g) @ grad_g (m_g, N).
 
     BLOCK_M is the reduction chunk over a group's rows, BLOCK_K x BLOCK_N the output tile.
+    ``rows_per_group`` is M / G, the mean group size.
     """
-    key = ("grouped_mm_wgrad", rows_per_group, k, n, str(dtype), device_type)
-    if device_type != "cuda":
-        cfg = _INTERPRETER_TILE
-    elif (forced := _env_override()) is not None:
-        cfg = forced
-    elif dtype == torch.float32:
-        cfg = TileConfig(block_m=32, block_n=128, block_k=128, num_warps=8, num_stages=3)
-    elif rows_per_group < 512:
-        # Few rows per group: a tile is two to eight short chunks and then a large output
-        # store, so latency, not the MMAs, sets the pace. Two programs per SM overlap one's
-        # epilogue with the other's loads: GPT-OSS fc1 wgrad 0.80x -> 0.96x of
-        # torch._grouped_mm, Qwen3 fc1 0.81x -> 0.88x (H200 sweep).
-        cfg = TileConfig(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=3,
-                         ctas_per_sm=2)
-    else:
-        cfg = TileConfig(block_m=64, block_n=256, block_k=128, num_warps=8, num_stages=3)
-    _log(*key[:1], key[1:], cfg)
-    return cfg
+    def heuristic():
+        if dtype == torch.float32:
+            return TileConfig(block_m=32, block_n=128, block_k=128, num_warps=8, num_stages=3)
+        if rows_per_group < 512:
+            # Few rows per group: a tile is two to eight short chunks and then a large output
+            # store, so latency, not the MMAs, sets the pace. Two programs per SM overlap one's
+            # epilogue with the other's loads: GPT-OSS fc1 wgrad 0.80x -> 0.96x of
+            # torch._grouped_mm, Qwen3 fc1 0.81x -> 0.88x (H200 sweep).
+            return TileConfig(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=3,
+                              ctas_per_sm=2)
+        return TileConfig(block_m=64, block_n=256, block_k=128, num_warps=8, num_stages=3)
+
+    return _choose("grouped_mm_wgrad", (rows_per_group, k, n, str(dtype)), device_type,
+                   heuristic)
 
 
 @functools.lru_cache(maxsize=None)

@@ -379,8 +379,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bias: torch
     if M == 0 or N == 0:
         return
     b_k_contiguous = b.stride(1) == 1 and b.stride(2) != 1
-    cfg = grouped_mm_config(max(1, _size_hint(M) // G), _size_hint(N), _size_hint(K), a.dtype,
-                            a.device.type)
+    cfg = grouped_mm_config(_size_hint(N), _size_hint(K), a.dtype, a.device.type)
     b_inner = b.transpose(1, 2) if b_k_contiguous else b
     use_tma = _use_tma(a, b_inner)
     tma_store = use_tma and _tma_ok(out)
