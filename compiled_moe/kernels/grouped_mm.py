@@ -257,11 +257,12 @@ def _grouped_mm_wgrad_kernel(
             keep = True
             if HAS_MASK:
                 keep = tl.load(mask_ptr + g) != 0
-            if TMA_STORE:
-                old = out_desc.load([g, pid_k * BLOCK_K, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
-                acc += tl.where(keep, old.to(tl.float32), 0.0)
-            else:
-                old = tl.load(out_ptrs, mask=out_mask & keep, other=0.0)
+            if keep:
+                if TMA_STORE:
+                    old = out_desc.load([g, pid_k * BLOCK_K, pid_n * BLOCK_N])
+                    old = old.reshape(BLOCK_K, BLOCK_N)
+                else:
+                    old = tl.load(out_ptrs, mask=out_mask, other=0.0)
                 acc += old.to(tl.float32)
         c = acc.to(out_ptr.dtype.element_ty)
         if TMA_STORE:
