@@ -89,7 +89,7 @@ def run(args):
                            "M": M, "K": K, "N": N, "G": G, "peer_ms": t_peer,
                            "peer_tflops": flops / t_peer / 1e9}
                     if args.sweep:
-                        cands = SWEEP_WGRAD if p == "wgrad" else SWEEP_MM
+                        cands = args.tiles or (SWEEP_WGRAD if p == "wgrad" else SWEEP_MM)
                         sweep = {}
                         for tile in cands + ["heuristic", "heuristic-notma"]:
                             if tile.startswith("heuristic"):
@@ -148,6 +148,7 @@ def main():
     ap.add_argument("--routing", nargs="+", default=["uniform", "skewed"])
     ap.add_argument("--passes", nargs="+", default=list(PASSES))
     ap.add_argument("--models", nargs="*", default=None)
+    ap.add_argument("--tiles", nargs="*", default=None, help="--sweep candidates instead of the lists")
     args = ap.parse_args()
     env = environment()
     print(env)
