@@ -280,6 +280,27 @@ def test_kernel_corrupt_offsets_interpreter():
         assert_matches_oracle(wg, loop_wgrad(a, d, offs), loop_wgrad(a, d, offs, torch.float32))
 
 
+def test_kernel_strided_offsets_and_mask_interpreter():
+    """Offsets and masks that are strided views are read correctly."""
+    _require_interpreter()
+    M, K, N, G = 40, 16, 16, 3
+    a, b, d = torch.randn(M, K), torch.randn(G, K, N), torch.randn(M, N)
+    offs = torch.tensor([[5, 0], [22, 0], [37, 0]], dtype=torch.int32)[:, 0]  # stride 2
+    mask = torch.tensor([[True, False], [False, False], [True, False]])[:, 0]
+    main = torch.randn(G, K, N)
+    start = main.clone()
+    with kernels_on_cpu():
+        out = cm.grouped_mm(a, b, offs)
+        sums = cm.grouped_sum(d, offs)
+        cm.grouped_mm_wgrad_accumulate_(main, a, d, offs, accumulate_mask=mask)
+    assert_matches_oracle(out, loop_grouped_mm(a, b, offs),
+                          loop_grouped_mm(a, b, offs, dtype=torch.float32))
+    assert_matches_oracle(sums, loop_grouped_sum(d, offs),
+                          loop_grouped_sum(d, offs, dtype=torch.float32))
+    expect = loop_wgrad(a, d, offs) + start.double() * mask.double()[:, None, None]
+    assert_matches_oracle(main, expect, expect.float())
+
+
 def test_kernel_autograd_interpreter():
     """Forward and backward through the op, every kernel on the interpreter, vs the reference."""
     _require_interpreter()

@@ -379,6 +379,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bias: torch
     G = int(G)  # the number of groups is specialised under torch.compile: G_PAD is a constexpr
     if M == 0 or N == 0:
         return
+    offs = offs.contiguous()  # the kernels read offs[g] at offs_ptr + g
     b_k_contiguous = b.stride(1) == 1 and b.stride(2) != 1
     cfg = grouped_mm_config(_size_hint(N), _size_hint(K), a.dtype, a.device.type)
     b_inner = b.transpose(1, 2) if b_k_contiguous else b
@@ -411,6 +412,9 @@ def grouped_mm_wgrad(a: torch.Tensor, grad_out: torch.Tensor, offs: torch.Tensor
     G = int(out.shape[0])  # specialised under torch.compile: G_PAD is a constexpr
     if K == 0 or N == 0:
         return
+    offs = offs.contiguous()
+    if accumulate_mask is not None:
+        accumulate_mask = accumulate_mask.contiguous()
     cfg = grouped_mm_wgrad_config(max(1, _size_hint(M) // G), _size_hint(K), _size_hint(N),
                                   a.dtype, a.device.type)
     use_tma = M > 0 and _use_tma(a, grad_out)
@@ -438,6 +442,7 @@ def grouped_sum(x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
     G = int(out.shape[0])  # specialised under torch.compile: G_PAD is a constexpr
     if N == 0:
         return
+    offs = offs.contiguous()
     cfg = grouped_sum_config(_size_hint(N), x.device.type)
     grid = (G, triton.cdiv(N, cfg.block_n))
     wrap_triton(_grouped_sum_kernel)[grid](
