@@ -24,6 +24,7 @@ CASES = [
     (0, 16, 16, 3, 0, 0),       # M = 0
     (45, 40, 24, 5, 4, 0),      # one group holds every row
     (64, 16, 32, 6, 2, 17),
+    (20, 0, 16, 3, 0, 2),       # K = 0: bias alone (or zeros)
 ]
 
 

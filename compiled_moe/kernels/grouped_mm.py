@@ -383,7 +383,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bias: torch
     b_k_contiguous = b.stride(1) == 1 and b.stride(2) != 1
     cfg = grouped_mm_config(_size_hint(N), _size_hint(K), a.dtype, a.device.type)
     b_inner = b.transpose(1, 2) if b_k_contiguous else b
-    use_tma = _use_tma(a, b_inner)
+    use_tma = K > 0 and _use_tma(a, b_inner)  # no descriptor over an empty K dimension
     tma_store = use_tma and _tma_ok(out)
     num_programs = _num_sms(_device_index(a)) * cfg.ctas_per_sm
     has_bias = bias is not None
