@@ -12,6 +12,7 @@ from torch import Tensor
 
 from compiled_moe import ops as _ops  # noqa: F401  (registers torch.ops.compiled_moe.*)
 from compiled_moe.reference import counts_to_offsets, offsets_to_counts
+from compiled_moe.experts import moe_experts
 
 __all__ = [
     "grouped_mm",
@@ -20,6 +21,7 @@ __all__ = [
     "grouped_sum",
     "counts_to_offsets",
     "offsets_to_counts",
+    "moe_experts",
 ]
 __version__ = "0.1.0"
 

@@ -102,3 +102,125 @@ def expand_groups(x: Tensor, offs: Tensor, num_rows) -> Tensor:
     gid = row_group_ids(offs, num_rows)
     padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
     return padded[gid]
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing, permute and combine
+# ---------------------------------------------------------------------------------------------
+
+def routing_capacity(num_entries, num_experts, pad_multiple: int = 1):
+    """Rows of the expert-sorted buffer: T*k, plus room to pad every expert to ``pad_multiple``."""
+    return num_entries + num_experts * (pad_multiple - 1)
+
+
+def moe_route(topk_ids: Tensor, num_experts: int, pad_multiple: int = 1
+              ) -> tuple[Tensor, Tensor, Tensor]:
+    """Expert-sorted layout of the routed (token, slot) pairs.
+
+    Returns ``(offs, row_of, source)``:
+      offs   int32 (E,): cumulative end row of each expert's group (padded to ``pad_multiple``).
+      row_of int32 (T, k): the sorted row of each (token, slot); -1 where the id is outside
+             [0, E) (such pairs are dropped: the expert-parallel case of non-local experts).
+      source int32 (capacity,): for each sorted row its flat pair index t*k + s; -1 on
+             padding rows and rows past offs[-1].
+    Inside an expert, pairs keep ascending flat order (stable), so the layout is deterministic.
+    """
+    num_tokens, k = topk_ids.shape
+    n = num_tokens * k
+    dev = topk_ids.device
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    valid = (ids >= 0) & (ids < num_experts)
+    key = torch.where(valid, ids, num_experts)  # dropped pairs sort last
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:num_experts]
+    padded = (counts + pad_multiple - 1) // pad_multiple * pad_multiple
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded
+    order = torch.sort(key, stable=True).indices  # flat pair index of each sorted position
+    sorted_key = key[order]
+    # Rank of each sorted position inside its expert = position - (unpadded start of its expert).
+    unpadded_starts = torch.cumsum(counts, 0) - counts
+    ext_starts = torch.cat([starts, starts.new_zeros(1)])
+    ext_unpadded = torch.cat([unpadded_starts, unpadded_starts.new_zeros(1)])
+    pos = torch.arange(n, device=dev, dtype=torch.int64)
+    rows_sorted = ext_starts[sorted_key] + pos - ext_unpadded[sorted_key]
+    rows_sorted = torch.where(sorted_key < num_experts, rows_sorted, -1)
+    row_of = torch.empty(n, dtype=torch.int64, device=dev).scatter_(0, order, rows_sorted)
+    capacity = routing_capacity(n, num_experts, pad_multiple)
+    # Scatter pair indices to their rows; dropped pairs go to a spare slot past the end.
+    source = torch.full((capacity + 1,), -1, dtype=torch.int64, device=dev)
+    source.scatter_(0, torch.where(row_of >= 0, row_of, capacity), pos)
+    return (ends.to(torch.int32), row_of.view(num_tokens, k).to(torch.int32),
+            source[:capacity].to(torch.int32))
+
+
+def moe_permute(hidden: Tensor, source: Tensor, top_k: int, scale: Tensor | None = None) -> Tensor:
+    """x[r] = hidden[source[r] // top_k] (times scale.flatten()[source[r]]); 0 where source < 0."""
+    valid = source >= 0
+    src = source.to(torch.int64).clamp(min=0)
+    x = hidden[src // top_k]
+    if scale is not None:
+        x = (x.to(_compute_dtype(x.dtype)) * scale.reshape(-1)[src].to(_compute_dtype(x.dtype))[:, None])
+    return torch.where(valid[:, None], x, 0).to(hidden.dtype)
+
+
+def moe_unpermute(y: Tensor, row_of: Tensor, weights: Tensor | None = None) -> Tensor:
+    """out[t] = sum_s weights[t, s] * y[row_of[t, s]] (weights 1 when None); rows -1 count 0."""
+    cdt = _compute_dtype(y.dtype)
+    valid = row_of >= 0
+    picked = y[row_of.to(torch.int64).clamp(min=0)].to(cdt)  # (T, k, H)
+    w = valid.to(cdt) if weights is None else torch.where(valid, weights.to(cdt), 0)
+    return (picked * w[..., None]).sum(1).to(y.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations and the experts block
+# ---------------------------------------------------------------------------------------------
+
+ACTIVATIONS = ("swiglu", "geglu", "gpt_oss", "relu2", "gelu", "silu")
+GATED_ACTIVATIONS = ("swiglu", "geglu", "gpt_oss")
+GATE_UP_LAYOUTS = ("stacked", "interleaved")
+GPT_OSS_ALPHA = 1.702
+GPT_OSS_LIMIT = 7.0
+
+
+def split_gate_up(h: Tensor, gate_up_layout: str) -> tuple[Tensor, Tensor]:
+    """FC1 output -> (gate, up): stacked halves [gate | up] or interleaved columns g0 u0 g1 u1 ..."""
+    if gate_up_layout == "interleaved":
+        return h[..., 0::2], h[..., 1::2]
+    half = h.shape[-1] // 2
+    return h[..., :half], h[..., half:]
+
+
+def activation(h: Tensor, name: str, gate_up_layout: str = "stacked",
+               alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT) -> Tensor:
+    """The activation between FC1 and FC2 (DESIGN.md section 3), computed in fp32 or fp64."""
+    x = h.to(_compute_dtype(h.dtype))
+    if name in GATED_ACTIVATIONS:
+        g, u = split_gate_up(x, gate_up_layout)
+        if name == "swiglu":
+            out = torch.nn.functional.silu(g) * u
+        elif name == "geglu":
+            out = torch.nn.functional.gelu(g, approximate="tanh") * u
+        else:  # gpt_oss
+            g = g.clamp(max=limit)
+            u = u.clamp(-limit, limit)
+            out = g * torch.sigmoid(alpha * g) * (u + 1)
+    elif name == "relu2":
+        out = torch.relu(x).square()
+    elif name == "gelu":
+        out = torch.nn.functional.gelu(x)
+    elif name == "silu":
+        out = torch.nn.functional.silu(x)
+    else:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
+    return out.to(h.dtype)
+
+
+def moe_unpermute_dot(grad_out: Tensor, y: Tensor, row_of: Tensor) -> Tensor:
+    """dot[t, s] = <grad_out[t], y[row_of[t, s]]> (0 where row_of < 0): d out / d weights."""
+    cdt = _compute_dtype(y.dtype)
+    picked = y[row_of.to(torch.int64).clamp(min=0)].to(cdt)
+    dot = (picked * grad_out.to(cdt)[:, None, :]).sum(-1)
+    return torch.where(row_of >= 0, dot, 0)

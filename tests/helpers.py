@@ -73,3 +73,44 @@ def assert_matches_oracle(out, oracle64, same_dtype_torch, atol=1e-5):
     scale = oracle64.abs().max().item() if out.numel() else 0.0
     bound = 2 * torch_err + atol * max(1.0, scale)
     assert err <= bound, f"max error {err:.3e} > bound {bound:.3e} (torch same-dtype {torch_err:.3e})"
+
+
+def loop_moe_experts(hidden, topk_ids, topk_weights, w1, w2, activation="swiglu",
+                     gate_up_layout="stacked", b1=None, b2=None, dtype=torch.float64):
+    """The experts block by a loop over experts in `dtype` (reads routing on the host)."""
+    from compiled_moe.reference import activation as act
+
+    out = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+    for e in range(w1.shape[0]):
+        tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        h = hidden[tok].to(dtype) @ w1[e].to(dtype).t()
+        if b1 is not None:
+            h = h + b1[e].to(dtype)
+        y = act(h, activation, gate_up_layout) @ w2[e].to(dtype).t()
+        if b2 is not None:
+            y = y + b2[e].to(dtype)
+        out.index_add_(0, tok, y * topk_weights[tok, slot].to(dtype)[:, None])
+    return out
+
+
+def loop_route(topk_ids, num_experts, pad_multiple=1):
+    """(offs, row_of, source) of the stable expert-sorted layout, built with host loops."""
+    ids = topk_ids.cpu().tolist()
+    k = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
+    flat = [e for row in ids for e in row]
+    row_of = [-1] * len(flat)
+    source, offs = [], []
+    for e in range(num_experts):
+        pairs = [i for i, x in enumerate(flat) if x == e]  # ascending flat order
+        for i in pairs:
+            row_of[i] = len(source)
+            source.append(i)
+        while len(source) % pad_multiple:
+            source.append(-1)
+        offs.append(len(source))
+    capacity = len(flat) + num_experts * (pad_multiple - 1)
+    source += [-1] * (capacity - len(source))
+    as_t = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    return as_t(offs), as_t(row_of).view(len(ids), k), as_t(source)

@@ -109,3 +109,13 @@ def grouped_sum_config(n: int, device_type: str) -> TileConfig:
     if device_type != "cuda":
         return _INTERPRETER_TILE
     return TileConfig(block_m=64, block_n=128, block_k=1, num_warps=4, num_stages=1)
+
+
+@functools.lru_cache(maxsize=None)
+def row_copy_config(h: int, device_type: str) -> TileConfig:
+    """Row gather/combine (moe_permute, moe_unpermute): BLOCK_N columns of a row per step."""
+    if device_type != "cuda":
+        return _INTERPRETER_TILE
+    # 16 bytes per thread per load at 4 warps for bf16 rows of H >= 1024.
+    block = min(1024, max(128, 1 << (max(h, 1) - 1).bit_length()))
+    return TileConfig(block_m=1, block_n=block, block_k=1, num_warps=4, num_stages=1)

@@ -1,3 +1,4 @@
 """Op registration: importing this package registers every torch.ops.compiled_moe op."""
 
 from compiled_moe.ops import grouped_mm  # noqa: F401
+from compiled_moe.ops import routing  # noqa: F401

@@ -1,0 +1,94 @@
+"""The MoE experts block: route -> permute -> FC1 -> activation -> FC2 -> weighted combine.
+
+This is the unfused, sync-free path, composed of the package's ops; under torch.compile the
+activation fuses with its neighbours. It is the Hugging Face ExpertsInterface contract:
+hidden (T, H), topk_ids (T, k), topk_weights (T, k) -> (T, H).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from compiled_moe import reference
+from compiled_moe.reference import (ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS,
+                                    GPT_OSS_ALPHA, GPT_OSS_LIMIT)
+from compiled_moe.ops import routing as _routing
+from compiled_moe.ops._dispatch import check_same_device, check_tensor
+
+
+def _check_experts_args(hidden, topk_ids, topk_weights, w1, w2, activation, gate_up_layout,
+                        b1, b2) -> None:
+    check_tensor("hidden", hidden, 2)
+    check_tensor("topk_ids", topk_ids, 2, (torch.int32, torch.int64))
+    check_tensor("topk_weights", topk_weights, 2, None)
+    check_tensor("w1", w1, 3)
+    check_tensor("w2", w2, 3)
+    if not callable(activation) and activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if gate_up_layout not in GATE_UP_LAYOUTS:
+        raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
+    num_tokens, hidden_size = hidden.shape
+    if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids and topk_weights must both be (T, k) with T = {num_tokens}, "
+                         f"got {tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    num_experts, n1, k1 = w1.shape
+    if k1 != hidden_size:
+        raise ValueError(f"w1 must be (E, N1, H) with H = {hidden_size} (like nn.Linear weights; "
+                         f"pass .transpose(-2, -1) of an (E, H, N1) tensor), got {tuple(w1.shape)}")
+    gated = activation in GATED_ACTIVATIONS or callable(activation)
+    inter = w2.shape[2] if callable(activation) else (n1 // 2 if gated else n1)
+    if activation in GATED_ACTIVATIONS and n1 % 2:
+        raise ValueError(f"w1's dim 1 must be even (gate and up) for {activation}, got {n1}")
+    if tuple(w2.shape) != (num_experts, hidden_size, inter):
+        raise ValueError(f"w2 must be (E, H, I) = ({num_experts}, {hidden_size}, {inter}), "
+                         f"got {tuple(w2.shape)}")
+    if b1 is not None and tuple(b1.shape) != (num_experts, n1):
+        raise ValueError(f"b1 must be (E, N1) = ({num_experts}, {n1}), got {tuple(b1.shape)}")
+    if b2 is not None and tuple(b2.shape) != (num_experts, hidden_size):
+        raise ValueError(f"b2 must be (E, H) = ({num_experts}, {hidden_size}), got {tuple(b2.shape)}")
+    check_same_device("hidden", hidden, topk_ids=topk_ids, topk_weights=topk_weights, w1=w1,
+                      w2=w2, b1=b1, b2=b2)
+
+
+def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor,
+                *, activation: str | Callable[[Tensor], Tensor] = "swiglu", gate_up_layout: str = "stacked",
+                b1: Tensor | None = None, b2: Tensor | None = None,
+                alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT) -> Tensor:
+    """Run every token through its top-k experts and sum the outputs with the routing weights.
+
+    ``out[t] = sum_s topk_weights[t, s] * FC2_e(act(FC1_e(hidden[t])))`` with e = topk_ids[t, s].
+
+    Args:
+        hidden: (T, H) bf16/fp16/fp32.
+        topk_ids: (T, k) int32/int64 expert ids; ids outside [0, E) are skipped (expert
+            parallelism: experts that live on another rank).
+        topk_weights: (T, k) routing weights, any float dtype.
+        w1: (E, N1, H), nn.Linear layout (HF's ``gate_up_proj``); N1 = 2I for gated
+            activations. Any strides: pass ``.transpose(-2, -1)`` of an (E, H, N1) tensor.
+        w2: (E, H, I), nn.Linear layout (HF's ``down_proj``); any strides.
+        activation: one of ``swiglu, geglu, gpt_oss, relu2, gelu, silu``, or a callable that
+            maps FC1's output (rows, N1) to (rows, I) (a model's own activation; it runs as
+            plain torch ops between the two grouped GEMMs).
+        gate_up_layout: ``stacked`` ([gate | up] halves) or ``interleaved`` (g0 u0 g1 u1 ...).
+        b1: optional (E, N1); b2: optional (E, H).
+        alpha, limit: the ``gpt_oss`` activation's constants.
+
+    Returns:
+        (T, H) in hidden's dtype. Differentiable in hidden, w1, w2, b1, b2 and topk_weights.
+    """
+    _check_experts_args(hidden, topk_ids, topk_weights, w1, w2, activation, gate_up_layout, b1, b2)
+    from compiled_moe import grouped_mm
+
+    num_experts = w1.shape[0]
+    offs, row_of, source = _routing.moe_route(topk_ids, num_experts)
+    x = _routing.moe_permute(hidden, row_of, source)
+    h = grouped_mm(x, w1.transpose(-2, -1), offs, bias=b1)
+    if callable(activation):
+        a = activation(h)
+    else:
+        a = reference.activation(h, activation, gate_up_layout, alpha, limit)
+    y = grouped_mm(a, w2.transpose(-2, -1), offs, bias=b2)
+    return _routing.moe_unpermute(y, row_of, source, topk_weights)

@@ -1,0 +1,103 @@
+"""Triton kernels that move rows between token order and expert-sorted order.
+
+gather_rows:  out[r] = scale[source[r]] * x[source[r] // k]      (moe_permute, and the backward
+              of moe_unpermute, which also takes dot[source[r]] = <x[t], other[r]>)
+combine_rows: out[t] = sum_s weights[t, s] * y[row_of[t, s]]     (moe_unpermute)
+
+Each token sums its own k rows in slot order: no atomics, bitwise deterministic.
+Last dimensions must be contiguous (the launchers copy when they are not).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from compiled_moe.kernels.configs import row_copy_config
+from compiled_moe.kernels.grouped_mm import _size_hint
+
+
+@triton.jit
+def _gather_rows_kernel(x_ptr, source_ptr, scale_ptr, other_ptr, out_ptr, dot_ptr, H, top_k,
+                        stride_x, stride_other, stride_out,
+                        HAS_SCALE: tl.constexpr, HAS_DOT: tl.constexpr, BLOCK_H: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    s = tl.load(source_ptr + r).to(tl.int64)
+    valid = s >= 0
+    s = tl.maximum(s, 0)
+    t = s // top_k
+    h_valid = tl.where(valid, H, 0)  # padding rows read nothing and write zeros
+    if HAS_SCALE:
+        w = tl.load(scale_ptr + s).to(tl.float32)
+    dot = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        x = tl.load(x_ptr + t * stride_x + cols, mask=cols < h_valid, other=0.0)
+        if HAS_DOT:
+            o = tl.load(other_ptr + r * stride_other + cols, mask=cols < h_valid, other=0.0)
+            dot += x.to(tl.float32) * o.to(tl.float32)
+        if HAS_SCALE:
+            x = x.to(tl.float32) * w
+        tl.store(out_ptr + r * stride_out + cols, x.to(out_ptr.dtype.element_ty), mask=cols < H)
+    if HAS_DOT:
+        tl.store(dot_ptr + s, tl.sum(dot, 0).to(dot_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _combine_rows_kernel(y_ptr, row_of_ptr, weights_ptr, out_ptr, H, top_k, stride_y, stride_out,
+                         HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for s in range(0, top_k):
+        r = tl.load(row_of_ptr + t * top_k + s).to(tl.int64)
+        h_valid = tl.where(r >= 0, H, 0)  # dropped pairs add nothing
+        y = tl.load(y_ptr + tl.maximum(r, 0) * stride_y + cols, mask=cols < h_valid, other=0.0)
+        y = y.to(tl.float32)
+        if HAS_WEIGHTS:
+            y = y * tl.load(weights_ptr + t * top_k + s).to(tl.float32)
+        acc += y
+    tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def gather_rows(x: torch.Tensor, source: torch.Tensor, top_k: int, out: torch.Tensor,
+                scale: torch.Tensor | None = None, other: torch.Tensor | None = None,
+                dot: torch.Tensor | None = None) -> None:
+    """out[r] = (scale[s] *) x[s // top_k] with s = source[r], 0 where s < 0; dot[s] = <x[t], other[r]>."""
+    num_rows, H = out.shape
+    if num_rows == 0:
+        return
+    x = _rows(x)
+    source = source.contiguous()
+    scale = scale.contiguous() if scale is not None else None
+    other = _rows(other) if other is not None else None
+    cfg = row_copy_config(_size_hint(H), out.device.type)
+    wrap_triton(_gather_rows_kernel)[(num_rows,)](
+        x, source, scale, other, out, dot, H, top_k,
+        x.stride(0), other.stride(0) if other is not None else 0, out.stride(0),
+        HAS_SCALE=scale is not None, HAS_DOT=dot is not None, BLOCK_H=cfg.block_n,
+        num_warps=cfg.num_warps,
+    )
+
+
+def combine_rows(y: torch.Tensor, row_of: torch.Tensor, out: torch.Tensor,
+                 weights: torch.Tensor | None = None) -> None:
+    """out[t] = sum_s (weights[t, s] *) y[row_of[t, s]], rows -1 skipped."""
+    num_tokens, H = out.shape
+    top_k = row_of.shape[1]
+    if num_tokens == 0 or H == 0:
+        return
+    y = _rows(y)
+    cfg = row_copy_config(_size_hint(H), out.device.type)
+    grid = (num_tokens, triton.cdiv(H, cfg.block_n))
+    wrap_triton(_combine_rows_kernel)[grid](
+        y, row_of.contiguous(), weights.contiguous() if weights is not None else None, out,
+        H, top_k, y.stride(0), out.stride(0),
+        HAS_WEIGHTS=weights is not None, BLOCK_H=cfg.block_n, num_warps=cfg.num_warps,
+    )

@@ -1,0 +1,246 @@
+"""Routing ops: schema, fake, autograd and device dispatch, side by side.
+
+torch.ops.compiled_moe.moe_route      topk_ids -> (offs, row_of, source): the expert-sorted layout
+torch.ops.compiled_moe.moe_permute    x[r] = hidden[source[r] // k]            (gather)
+torch.ops.compiled_moe.moe_unpermute  out[t] = sum_s w[t, s] * y[row_of[t, s]]  (combine)
+
+moe_route is a ``custom_op`` whose CUDA path is the NVRTC kernel of csrc/moe_route.cu; the
+other two are ``triton_op``s. On CPU every op runs its reference (compiled_moe.reference).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from compiled_moe import reference
+from compiled_moe.ops._dispatch import check_same_device, check_tensor, use_kernel
+
+_ID_DTYPES = (torch.int32, torch.int64)
+# moe_route keeps one row of per-expert counts per warp in 48 KB of shared memory.
+MAX_EXPERTS = 12288
+
+
+def _kernels():
+    from compiled_moe.kernels import routing as kernels  # Triton loads only when needed
+    return kernels
+
+
+# ---------------------------------------------------------------------------- moe_route
+
+
+def _check_route(topk_ids, num_experts, pad_multiple) -> None:
+    check_tensor("topk_ids", topk_ids, 2, _ID_DTYPES)
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"num_experts must be in [1, {MAX_EXPERTS}], got {num_experts}")
+    if pad_multiple < 1:
+        raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
+    if isinstance(topk_ids.numel(), int) and topk_ids.numel() >= 2**31:
+        raise ValueError(f"topk_ids has {topk_ids.numel()} entries; at most 2**31 - 1 are supported")
+
+
+def _route_outputs(topk_ids, num_experts, pad_multiple):
+    num_tokens, k = topk_ids.shape
+    capacity = reference.routing_capacity(num_tokens * k, num_experts, pad_multiple)
+    new = lambda *shape: topk_ids.new_empty(shape, dtype=torch.int32)  # noqa: E731
+    return new(num_experts), new(num_tokens, k), new(capacity)
+
+
+@torch.library.custom_op("compiled_moe::moe_route", mutates_args=())
+def _moe_route(topk_ids: Tensor, num_experts: int, pad_multiple: int = 1
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    _check_route(topk_ids, num_experts, pad_multiple)
+    from compiled_moe import native
+
+    if topk_ids.device.type != "cuda" or not native.available():
+        return reference.moe_route(topk_ids, num_experts, pad_multiple)
+    offs, row_of, source = _route_outputs(topk_ids, num_experts, pad_multiple)
+    _route_cuda(topk_ids.contiguous(), num_experts, pad_multiple, offs, row_of, source)
+    return offs, row_of, source
+
+
+@_moe_route.register_fake
+def _(topk_ids, num_experts, pad_multiple=1):
+    _check_route(topk_ids, num_experts, pad_multiple)
+    return _route_outputs(topk_ids, num_experts, pad_multiple)
+
+
+def _route_cuda(ids: Tensor, num_experts: int, pad_multiple: int, offs: Tensor, row_of: Tensor,
+                source: Tensor) -> None:
+    from compiled_moe import native
+
+    dev = ids.device.index if ids.device.index is not None else torch.cuda.current_device()
+    suffix = "i32" if ids.dtype == torch.int32 else "i64"
+    n = ids.numel()
+    # Chunks of (warps x 32 x items) pairs, one block each; at most ~128 chunks, so the second
+    # kernel's read of every chunk's histogram stays small.
+    num_warps = max(1, min(32, MAX_EXPERTS // num_experts))
+    block = 32 * num_warps
+    items = max(1, math.ceil(n / (block * 128)))
+    chunk = block * items
+    num_chunks = max(1, math.ceil(n / chunk))
+    hist = torch.empty(num_chunks * num_experts, dtype=torch.int32, device=ids.device)
+    i32, i64 = native.int32, native.int64
+    native.launch(native.kernel("moe_route", f"moe_route_rank_{suffix}", dev), dev,
+                  num_chunks, block, 4 * num_warps * num_experts,
+                  ids, row_of, hist, i64(n), i32(num_experts), i32(items))
+    native.launch(native.kernel("moe_route", f"moe_route_place_{suffix}", dev), dev,
+                  num_chunks, block, 4 * (2 * num_experts + 32),
+                  ids, row_of, hist, offs, source, i64(n), i64(source.shape[0]), i32(num_experts),
+                  i32(num_chunks), i32(chunk), i32(pad_multiple))
+
+
+# ---------------------------------------------------------------------------- permute / unpermute
+
+
+def _check_layout(name, x, row_of, source) -> None:
+    check_tensor(name, x, 2)
+    check_tensor("row_of", row_of, 2, (torch.int32,))
+    check_tensor("source", source, 1, (torch.int32,))
+    check_same_device(name, x, row_of=row_of, source=source)
+
+
+def _check_pair_tensor(name, t, row_of, ref) -> None:
+    if t is None:
+        return
+    check_tensor(name, t, 2, None)
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if t.shape != row_of.shape:
+        raise ValueError(f"{name} must be (T, k) = {tuple(row_of.shape)} like row_of, "
+                         f"got {tuple(t.shape)}")
+    check_same_device("row_of", row_of, **{name: t})
+
+
+def _check_permute(hidden, row_of, source, scale) -> None:
+    _check_layout("hidden", hidden, row_of, source)
+    if hidden.shape[0] != row_of.shape[0]:
+        raise ValueError(f"hidden has {hidden.shape[0]} tokens but row_of is "
+                         f"{tuple(row_of.shape)}; they must match")
+    _check_pair_tensor("scale", scale, row_of, hidden)
+
+
+def _check_unpermute(y, row_of, source, weights) -> None:
+    _check_layout("y", y, row_of, source)
+    if y.shape[0] != source.shape[0]:
+        raise ValueError(f"y has {y.shape[0]} rows but source has {source.shape[0]}; "
+                         f"y must hold one row per sorted row")
+    _check_pair_tensor("weights", weights, row_of, y)
+
+
+@torch.library.triton_op("compiled_moe::moe_permute", mutates_args=())
+def _moe_permute(hidden: Tensor, row_of: Tensor, source: Tensor,
+                 scale: Optional[Tensor] = None) -> Tensor:
+    _check_permute(hidden, row_of, source, scale)
+    if not use_kernel(hidden):
+        return reference.moe_permute(hidden, source, row_of.shape[1], scale)
+    out = hidden.new_empty((source.shape[0], hidden.shape[1]))
+    _kernels().gather_rows(hidden, source, row_of.shape[1], out, scale=scale)
+    return out
+
+
+@_moe_permute.register_fake
+def _(hidden, row_of, source, scale=None):
+    _check_permute(hidden, row_of, source, scale)
+    return hidden.new_empty((source.shape[0], hidden.shape[1]))
+
+
+def _permute_setup(ctx, inputs, output):
+    hidden, row_of, source, scale = inputs
+    ctx.save_for_backward(hidden if scale is not None else None, row_of, source, scale)
+
+
+def _permute_backward(ctx, grad):
+    hidden, row_of, source, scale = ctx.saved_tensors
+    grad_hidden = grad_scale = None
+    if ctx.needs_input_grad[0]:
+        grad_hidden = torch.ops.compiled_moe.moe_unpermute(grad, row_of, source, scale)
+    if scale is not None and ctx.needs_input_grad[3]:
+        # <hidden[t], grad_x[row_of[t, s]]>: only double backward of moe_unpermute gets here.
+        grad_scale = reference.moe_unpermute_dot(hidden, grad, row_of).to(scale.dtype)
+    return grad_hidden, None, None, grad_scale
+
+
+_moe_permute.register_autograd(_permute_backward, setup_context=_permute_setup)
+
+
+@torch.library.triton_op("compiled_moe::moe_unpermute", mutates_args=())
+def _moe_unpermute(y: Tensor, row_of: Tensor, source: Tensor,
+                   weights: Optional[Tensor] = None) -> Tensor:
+    _check_unpermute(y, row_of, source, weights)
+    if not use_kernel(y):
+        return reference.moe_unpermute(y, row_of, weights)
+    out = y.new_empty((row_of.shape[0], y.shape[1]))
+    _kernels().combine_rows(y, row_of, out, weights)
+    return out
+
+
+@_moe_unpermute.register_fake
+def _(y, row_of, source, weights=None):
+    _check_unpermute(y, row_of, source, weights)
+    return y.new_empty((row_of.shape[0], y.shape[1]))
+
+
+def _unpermute_setup(ctx, inputs, output):
+    y, row_of, source, weights = inputs
+    ctx.save_for_backward(y if weights is not None else None, row_of, source, weights)
+
+
+def _unpermute_backward(ctx, grad):
+    y, row_of, source, weights = ctx.saved_tensors
+    grad_y = grad_weights = None
+    if weights is None:
+        if ctx.needs_input_grad[0]:
+            grad_y = torch.ops.compiled_moe.moe_permute(grad, row_of, source)
+        return grad_y, None, None, None
+    if ctx.needs_input_grad[3]:
+        # One pass gives both: grad_y[r] = w * grad[t] and grad_w[t, s] = <grad[t], y[r]>.
+        grad_y, grad_weights = torch.ops.compiled_moe.moe_unpermute_backward(grad, y, row_of, source,
+                                                                            weights)
+        if not ctx.needs_input_grad[0]:
+            grad_y = None
+    elif ctx.needs_input_grad[0]:
+        grad_y = torch.ops.compiled_moe.moe_permute(grad, row_of, source, weights)
+    return grad_y, None, None, grad_weights
+
+
+_moe_unpermute.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+
+
+@torch.library.triton_op("compiled_moe::moe_unpermute_backward", mutates_args=())
+def _moe_unpermute_backward(grad_out: Tensor, y: Tensor, row_of: Tensor, source: Tensor,
+                            weights: Tensor) -> tuple[Tensor, Tensor]:
+    """(grad_y, grad_weights) of moe_unpermute with weights. Not differentiable itself."""
+    _check_unpermute(y, row_of, source, weights)
+    _check_permute(grad_out, row_of, source, weights)
+    if not use_kernel(y):
+        grad_y = reference.moe_permute(grad_out, source, row_of.shape[1], weights)
+        return grad_y, reference.moe_unpermute_dot(grad_out, y, row_of).to(weights.dtype)
+    grad_y = y.new_empty(y.shape)
+    # Zeros: dropped pairs (ids outside [0, E)) own no sorted row, so no program writes them.
+    grad_weights = weights.new_zeros(weights.shape)
+    _kernels().gather_rows(grad_out, source, row_of.shape[1], grad_y, scale=weights, other=y,
+                           dot=grad_weights)
+    return grad_y, grad_weights
+
+
+@_moe_unpermute_backward.register_fake
+def _(grad_out, y, row_of, source, weights):
+    _check_unpermute(y, row_of, source, weights)
+    _check_permute(grad_out, row_of, source, weights)
+    return y.new_empty(y.shape), weights.new_empty(weights.shape)
+
+
+def moe_route(topk_ids, num_experts, pad_multiple=1):
+    return torch.ops.compiled_moe.moe_route(topk_ids, num_experts, pad_multiple)
+
+
+def moe_permute(hidden, row_of, source, scale=None):
+    return torch.ops.compiled_moe.moe_permute(hidden, row_of, source, scale)
+
+
+def moe_unpermute(y, row_of, source, weights=None):
+    return torch.ops.compiled_moe.moe_unpermute(y, row_of, source, weights)

@@ -1,0 +1,355 @@
+"""CPU tier for routing (moe_route, moe_permute, moe_unpermute) and the experts block:
+reference vs host-loop oracles, Triton kernels in the interpreter, gradients, opcheck,
+torch.compile with dynamic token counts, csrc compiled by NVRTC, bad inputs."""
+
+import pytest
+import torch
+
+import compiled_moe as cm
+from compiled_moe import reference
+from compiled_moe.ops._dispatch import kernels_on_cpu
+from helpers import assert_matches_oracle, loop_moe_experts, loop_route
+
+route = torch.ops.compiled_moe.moe_route
+permute = torch.ops.compiled_moe.moe_permute
+unpermute = torch.ops.compiled_moe.moe_unpermute
+unpermute_backward = torch.ops.compiled_moe.moe_unpermute_backward
+
+# (tokens, top_k, experts, pad_multiple, id range): ids drawn from [lo, hi) so that some fall
+# outside [0, E) (dropped pairs) where lo < 0 or hi > E.
+ROUTE_CASES = [
+    (0, 2, 4, 1, (0, 4)),        # no tokens
+    (1, 1, 1, 1, (0, 1)),        # one token, one expert
+    (1, 8, 128, 1, (0, 128)),    # decode step
+    (37, 2, 8, 1, (0, 3)),       # most experts empty
+    (64, 4, 16, 8, (0, 16)),     # padded groups
+    (50, 3, 6, 4, (-2, 9)),      # dropped pairs and padding
+    (200, 8, 32, 1, (-1, 32)),
+]
+
+
+def _ids(tokens, k, lo_hi, dtype=torch.int64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(*lo_hi, (tokens, k), generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("case", ROUTE_CASES)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_route_matches_loop(case, dtype):
+    tokens, k, experts, pad, lo_hi = case
+    ids = _ids(tokens, k, lo_hi, dtype)
+    got = route(ids, experts, pad)
+    want = loop_route(ids, experts, pad)
+    for name, g, w in zip(("offs", "row_of", "source"), got, want):
+        assert g.dtype == torch.int32, name
+        assert torch.equal(g, w), name
+
+
+def test_route_layout_is_consistent():
+    """source and row_of are inverse maps, and each sorted row lies in its expert's group."""
+    ids = _ids(300, 6, (0, 20))
+    offs, row_of, source = route(ids, 20, 4)
+    flat = row_of.reshape(-1).long()
+    assert torch.equal(source[flat].long(), torch.arange(flat.numel()))
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]]).long()
+    e = ids.reshape(-1)
+    assert bool(((flat >= starts[e]) & (flat < offs.long()[e])).all())
+
+
+# ------------------------------------------------------------------ permute / unpermute
+
+
+def _layout(tokens=23, k=3, experts=5, pad=4, lo_hi=(-1, 6), seed=1):
+    ids = _ids(tokens, k, lo_hi, seed=seed)
+    return ids, *route(ids, experts, pad)
+
+
+def _loop_permute(hidden, source, k, scale=None):
+    out = torch.zeros(source.shape[0], hidden.shape[1], dtype=torch.float64)
+    for r, s in enumerate(source.tolist()):
+        if s >= 0:
+            w = 1.0 if scale is None else scale.reshape(-1)[s].double()
+            out[r] = hidden[s // k].double() * w
+    return out
+
+
+def _loop_unpermute(y, row_of, weights=None):
+    out = torch.zeros(row_of.shape[0], y.shape[1], dtype=torch.float64)
+    for t in range(row_of.shape[0]):
+        for s in range(row_of.shape[1]):
+            r = int(row_of[t, s])
+            if r >= 0:
+                w = 1.0 if weights is None else weights[t, s].double()
+                out[t] += w * y[r].double()
+    return out
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_permute_unpermute_reference_match_loops(scaled):
+    ids, offs, row_of, source = _layout()
+    hidden = torch.randn(ids.shape[0], 12, dtype=torch.float64)
+    w = torch.rand(ids.shape, dtype=torch.float64) if scaled else None
+    torch.testing.assert_close(permute(hidden, row_of, source, w), _loop_permute(hidden, source, 3, w))
+    y = torch.randn(source.shape[0], 12, dtype=torch.float64)
+    torch.testing.assert_close(unpermute(y, row_of, source, w), _loop_unpermute(y, row_of, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("hidden_size", [40, 7])
+def test_kernels_interpreter(dtype, scaled, hidden_size):
+    ids, offs, row_of, source = _layout()
+    k = ids.shape[1]
+    hidden = torch.randn(ids.shape[0], hidden_size, dtype=dtype)
+    w = torch.rand(ids.shape) if scaled else None
+    y = torch.randn(source.shape[0], hidden_size, dtype=dtype)
+    g = torch.randn(ids.shape[0], hidden_size, dtype=dtype)
+    with kernels_on_cpu():
+        x = permute(hidden, row_of, source, w)
+        out = unpermute(y, row_of, source, w)
+        if scaled:
+            gy, gw = unpermute_backward(g, y, row_of, source, w)
+    assert_matches_oracle(x, _loop_permute(hidden, source, k, w),
+                          reference.moe_permute(hidden, source, k, w))
+    assert_matches_oracle(out, _loop_unpermute(y, row_of, w), reference.moe_unpermute(y, row_of, w))
+    if scaled:
+        assert_matches_oracle(gy, _loop_permute(g, source, k, w), reference.moe_permute(g, source, k, w))
+        assert_matches_oracle(gw, reference.moe_unpermute_dot(g.double(), y.double(), row_of),
+                              reference.moe_unpermute_dot(g, y, row_of))
+
+
+def test_kernels_write_every_element_interpreter():
+    """Padding rows come out zero and dropped pairs get a zero weight gradient, even when
+    the memory held NaNs before."""
+    ids, offs, row_of, source = _layout(lo_hi=(-3, 8))
+    hidden = torch.randn(ids.shape[0], 9)
+    w = torch.rand(ids.shape)
+    y = torch.randn(source.shape[0], 9)
+    with kernels_on_cpu():
+        x = permute(hidden, row_of, source)
+        gy, gw = unpermute_backward(hidden, y, row_of, source, w)
+    assert bool((x[source < 0] == 0).all()) and bool((gy[source < 0] == 0).all())
+    assert bool((gw[row_of < 0] == 0).all())
+    assert torch.isfinite(x).all() and torch.isfinite(gw).all()
+
+
+def test_permute_unpermute_gradcheck():
+    ids, offs, row_of, source = _layout(tokens=7, k=2, experts=3, pad=2, lo_hi=(-1, 3))
+    hidden = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
+    scale = torch.rand(7, 2, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(source.shape[0], 5, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda h, s: permute(h, row_of, source, s), (hidden, scale))
+    torch.autograd.gradcheck(lambda v, s: unpermute(v, row_of, source, s), (y, scale))
+    torch.autograd.gradcheck(lambda v: unpermute(v, row_of, source), (y,))
+
+
+def test_unpermute_autograd_kernels_interpreter():
+    """Backward through the kernels (fp32) matches backward through the reference."""
+    ids, offs, row_of, source = _layout()
+    y = torch.randn(source.shape[0], 10, requires_grad=True)
+    w = torch.rand(ids.shape, requires_grad=True)
+    g = torch.randn(ids.shape[0], 10)
+    with kernels_on_cpu():
+        grads = torch.autograd.grad(unpermute(y, row_of, source, w), (y, w), g)
+    want = torch.autograd.grad(reference.moe_unpermute(y, row_of, w), (y, w), g)
+    for got, exp in zip(grads, want):
+        torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ the experts block
+
+EXPERT_CASES = [  # activation, gate_up_layout, biases
+    ("swiglu", "stacked", False),
+    ("swiglu", "interleaved", True),
+    ("geglu", "stacked", False),
+    ("gpt_oss", "interleaved", True),
+    ("relu2", "stacked", False),
+    ("gelu", "stacked", True),
+    ("silu", "stacked", False),
+]
+
+
+def _experts_inputs(activation, biases, tokens=19, hidden=16, inter=8, experts=5, k=2,
+                    dtype=torch.float64, seed=0, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    n1 = 2 * inter if activation in reference.GATED_ACTIVATIONS else inter
+    mk = lambda *s: (torch.randn(*s, generator=g) * 0.5).to(dtype).requires_grad_(requires_grad)  # noqa: E731
+    ids = torch.randint(0, experts, (tokens, k), generator=g)
+    weights = torch.rand(tokens, k, generator=g).to(dtype).requires_grad_(requires_grad)
+    return dict(hidden=mk(tokens, hidden), topk_ids=ids, topk_weights=weights,
+                w1=mk(experts, n1, hidden), w2=mk(experts, hidden, inter),
+                b1=mk(experts, n1) if biases else None, b2=mk(experts, hidden) if biases else None)
+
+
+def _loop(inp, activation, layout):
+    return loop_moe_experts(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w1"],
+                            inp["w2"], activation, layout, inp["b1"], inp["b2"])
+
+
+@pytest.mark.parametrize("activation,layout,biases", EXPERT_CASES)
+def test_experts_reference_matches_loop(activation, layout, biases):
+    inp = _experts_inputs(activation, biases)
+    got = cm.moe_experts(**inp, activation=activation, gate_up_layout=layout)
+    torch.testing.assert_close(got, _loop(inp, activation, layout).to(got.dtype))
+
+
+@pytest.mark.parametrize("activation,layout,biases", EXPERT_CASES)
+def test_experts_kernels_interpreter(activation, layout, biases):
+    inp = _experts_inputs(activation, biases, dtype=torch.float32)
+    with kernels_on_cpu():
+        got = cm.moe_experts(**inp, activation=activation, gate_up_layout=layout)
+    ref32 = cm.moe_experts(**inp, activation=activation, gate_up_layout=layout)
+    assert_matches_oracle(got, _loop(inp, activation, layout), ref32)
+
+
+def test_experts_gradcheck():
+    inp = _experts_inputs("gpt_oss", True, tokens=6, hidden=4, inter=3, experts=3,
+                          requires_grad=True)
+    names = ["hidden", "topk_weights", "w1", "w2", "b1", "b2"]
+
+    def f(*tensors):
+        kw = dict(inp, **dict(zip(names, tensors)))
+        return cm.moe_experts(**kw, activation="gpt_oss", gate_up_layout="interleaved")
+
+    torch.autograd.gradcheck(f, tuple(inp[n] for n in names))
+
+
+def test_experts_backward_kernels_interpreter():
+    inp = _experts_inputs("swiglu", True, dtype=torch.float32, requires_grad=True)
+    names = ["hidden", "topk_weights", "w1", "w2", "b1", "b2"]
+    with kernels_on_cpu():
+        out = cm.moe_experts(**inp)
+        grads = torch.autograd.grad(out, [inp[n] for n in names], torch.ones_like(out))
+    out_ref = cm.moe_experts(**inp)
+    want = torch.autograd.grad(out_ref, [inp[n] for n in names], torch.ones_like(out_ref))
+    for n, got, exp in zip(names, grads, want):
+        torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-4, msg=n)
+
+
+def test_experts_skips_ids_outside_range():
+    """Expert parallelism: ids of experts on other ranks (-1, or >= E) contribute nothing."""
+    inp = _experts_inputs("swiglu", False)
+    ids = inp["topk_ids"].clone()
+    ids[::3, 0] = -1
+    ids[1::4, 1] = 99
+    got = cm.moe_experts(**dict(inp, topk_ids=ids))
+    torch.testing.assert_close(got, _loop(dict(inp, topk_ids=ids), "swiglu", "stacked"))
+
+
+def test_experts_callable_activation_and_transposed_weights():
+    inp = _experts_inputs("swiglu", False)
+    inter = inp["w2"].shape[2]
+    act = lambda h: torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]  # noqa: E731
+    # Weights stored as (E, H, N1) and passed as transposed views: no copy, same result.
+    w1_t = inp["w1"].transpose(1, 2).contiguous().transpose(1, 2)
+    got = cm.moe_experts(**dict(inp, w1=w1_t), activation=act)
+    torch.testing.assert_close(got, _loop(inp, "swiglu", "stacked"))
+
+
+# ------------------------------------------------------------------ opcheck, compile
+
+
+def _opcheck_samples():
+    ids, offs, row_of, source = _layout()
+    hidden = torch.randn(ids.shape[0], 8)
+    y = torch.randn(source.shape[0], 8)
+    w = torch.rand(ids.shape)
+    return {
+        "route": (route, (ids, 5, 4)),
+        "route_i32": (route, (ids.int(), 5, 1)),
+        "permute": (permute, (hidden, row_of, source, None)),
+        "permute_scaled": (permute, (hidden, row_of, source, w)),
+        "unpermute": (unpermute, (y, row_of, source, w)),
+        "unpermute_backward": (unpermute_backward, (hidden, y, row_of, source, w)),
+    }
+
+
+@pytest.mark.parametrize("sample", list(_opcheck_samples()))
+def test_opcheck(sample):
+    op, args = _opcheck_samples()[sample]
+    torch.library.opcheck(op, args)
+
+
+def test_experts_compile_dynamic_one_compile():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    base = _experts_inputs("swiglu", True, dtype=torch.float32, requires_grad=True)
+    params = [base[n] for n in ("w1", "w2", "b1", "b2")]
+
+    def step(hidden, ids, weights):
+        return cm.moe_experts(hidden, ids, weights, *params[:2], b1=params[2], b2=params[3]).sum()
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    for tokens in (11, 24, 37):
+        inp = _experts_inputs("swiglu", True, tokens=tokens, dtype=torch.float32, seed=tokens,
+                              requires_grad=True)
+        args = (inp["hidden"], inp["topk_ids"], inp["topk_weights"])
+        got = compiled(*args)
+        got_grads = torch.autograd.grad(got, [args[0], args[2], *params])
+        want = step(*args)
+        want_grads = torch.autograd.grad(want, [args[0], args[2], *params])
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for g, w in zip(got_grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    assert counter.frame_count == 1
+
+
+# ------------------------------------------------------------------ csrc, bad inputs
+
+
+def test_csrc_compiles_with_nvrtc(tmp_path, monkeypatch):
+    """Every CUDA source compiles for Hopper (no GPU needed), and the cache serves a rebuild."""
+    from compiled_moe import native
+
+    monkeypatch.setenv("COMPILED_MOE_CACHE_DIR", str(tmp_path))
+    sources = native.source_files()
+    assert sources, "no csrc/*.cu found"
+    for path in sources:
+        cubin = native.compile_source(path, "sm_90")
+        assert cubin[:4] == b"\x7fELF", path.name
+        assert native.compile_source(path, "sm_90") == cubin
+    assert len(list((tmp_path / "nvrtc").glob("*.cubin"))) == len(sources)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda: route(torch.zeros(4, 2), 4), TypeError, "topk_ids"),
+    (lambda: route(torch.zeros(4, dtype=torch.int64), 4), ValueError, "topk_ids"),
+    (lambda: route(torch.zeros(4, 2, dtype=torch.int64), 0), ValueError, "num_experts"),
+    (lambda: route(torch.zeros(4, 2, dtype=torch.int64), 4, 0), ValueError, "pad_multiple"),
+])
+def test_route_bad_inputs(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_permute_unpermute_bad_inputs():
+    ids, offs, row_of, source = _layout()
+    hidden = torch.randn(ids.shape[0], 8)
+    with pytest.raises(ValueError, match="tokens"):
+        permute(hidden[:-1], row_of, source)
+    with pytest.raises(TypeError, match="row_of"):
+        permute(hidden, row_of.long(), source)
+    with pytest.raises(ValueError, match="scale"):
+        permute(hidden, row_of, source, torch.rand(3))
+    with pytest.raises(ValueError, match="source"):
+        unpermute(torch.randn(source.shape[0] + 1, 8), row_of, source)
+    with pytest.raises(TypeError, match="weights"):
+        unpermute(torch.randn(source.shape[0], 8), row_of, source, row_of)
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    (dict(activation="tanh"), ValueError, "activation"),
+    (dict(gate_up_layout="split"), ValueError, "gate_up_layout"),
+    (dict(w1=torch.randn(5, 16, 15)), ValueError, "w1"),
+    (dict(w2=torch.randn(5, 16, 7)), ValueError, "w2"),
+    (dict(b1=torch.randn(5, 3)), ValueError, "b1"),
+    (dict(b2=torch.randn(4, 16)), ValueError, "b2"),
+    (dict(topk_weights=torch.rand(19, 3)), ValueError, "topk_weights"),
+    (dict(topk_ids=torch.zeros(19, 2)), TypeError, "topk_ids"),
+])
+def test_experts_bad_inputs(change, exc, match):
+    inp = _experts_inputs("swiglu", False, dtype=torch.float32)
+    with pytest.raises(exc, match=match):
+        cm.moe_experts(**dict(inp, **change))
