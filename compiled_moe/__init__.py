@@ -22,6 +22,9 @@ __all__ = [
     "counts_to_offsets",
     "offsets_to_counts",
     "moe_experts",
+    "moe_route",
+    "moe_permute",
+    "moe_unpermute",
 ]
 __version__ = "0.1.0"
 
@@ -86,3 +89,43 @@ def grouped_sum(x: Tensor, offs: Tensor, *, out_dtype: torch.dtype | None = None
     The bias gradient of :func:`grouped_mm`. x: (M, N); offs: int32 (G,).
     """
     return torch.ops.compiled_moe.grouped_sum(x, offs, out_dtype)
+
+
+def moe_route(topk_ids: Tensor, num_experts: int, *, pad_multiple: int = 1
+              ) -> tuple[Tensor, Tensor, Tensor]:
+    """Expert-sorted layout of routed tokens, computed on the device in two kernel launches.
+
+    Args:
+        topk_ids: (T, k) int32/int64 expert ids; ids outside [0, num_experts) are dropped
+            (expert parallelism: experts on other ranks).
+        num_experts: E, the number of (local) experts.
+        pad_multiple: pad every expert's group to a multiple of this many rows.
+
+    Returns:
+        ``(offs, row_of, source)``: offs int32 (E,), cumulative end row of each group (the
+        grouped_mm convention); row_of int32 (T, k), the sorted row of each (token, slot), -1 if
+        dropped; source int32 (capacity,) with capacity = T*k + E*(pad_multiple - 1), the flat
+        pair index t*k + s of each sorted row, -1 on padding rows and rows past offs[-1].
+        Pairs keep ascending (token, slot) order inside an expert: deterministic.
+    """
+    return torch.ops.compiled_moe.moe_route(topk_ids, num_experts, pad_multiple)
+
+
+def moe_permute(hidden: Tensor, row_of: Tensor, source: Tensor, *,
+                scale: Tensor | None = None) -> Tensor:
+    """Gather tokens into expert-sorted order: ``x[r] = hidden[source[r] // k]`` (capacity, H).
+
+    ``scale`` (T, k), optional, multiplies each row by its pair's value. Padding rows are zero.
+    Differentiable in hidden and scale. row_of/source come from :func:`moe_route`.
+    """
+    return torch.ops.compiled_moe.moe_permute(hidden, row_of, source, scale)
+
+
+def moe_unpermute(y: Tensor, row_of: Tensor, source: Tensor, *,
+                  weights: Tensor | None = None) -> Tensor:
+    """Combine expert outputs per token: ``out[t] = sum_s weights[t, s] * y[row_of[t, s]]`` (T, H).
+
+    Each token sums its own k rows in slot order, in fp32 (no atomics: deterministic); dropped
+    pairs add nothing. Differentiable in y and weights.
+    """
+    return torch.ops.compiled_moe.moe_unpermute(y, row_of, source, weights)

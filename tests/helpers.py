@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -114,3 +116,19 @@ def loop_route(topk_ids, num_experts, pad_multiple=1):
     source += [-1] * (capacity - len(source))
     as_t = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     return as_t(offs), as_t(row_of).view(len(ids), k), as_t(source)
+
+
+@contextlib.contextmanager
+def no_sync():
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def poison_allocator(nbytes):
+    """Fill freed caching-allocator blocks with NaN so an unwritten output element shows."""
+    torch.empty(nbytes // 4 + 1024, device="cuda").fill_(float("nan"))
+    torch.cuda.synchronize()

@@ -3,13 +3,12 @@ CUDA-graph replay, torch.compile, opcheck."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 import compiled_moe as cm
-from helpers import assert_matches_oracle, loop_grouped_mm, loop_grouped_sum, loop_wgrad
+from helpers import (assert_matches_oracle, loop_grouped_mm, loop_grouped_sum, loop_wgrad, no_sync,
+                     poison_allocator)
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -23,22 +22,6 @@ def skewed_offsets(num_rows, num_groups, seed, empty_groups=0, tail=0):
     draws = torch.multinomial(probs, num_rows - tail, replacement=True, generator=gen)
     counts = torch.bincount(draws, minlength=num_groups)
     return torch.cumsum(counts, 0).to(torch.int32).to(DEV)
-
-
-@contextlib.contextmanager
-def no_sync():
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-
-
-def poison_allocator(nbytes):
-    """Fill freed caching-allocator blocks with NaN so an unwritten output element shows."""
-    torch.empty(nbytes // 4 + 1024, device=DEV).fill_(float("nan"))
-    torch.cuda.synchronize()
 
 
 SHAPES = [  # (M, K, N, G)
