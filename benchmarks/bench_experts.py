@@ -30,6 +30,16 @@ def route_composition(ids: torch.Tensor, num_experts: int):
     return offs, row_of.view(ids.shape).int(), order.int()
 
 
+def bench_graph(fn) -> float:
+    """Median ms of replaying fn from a CUDA graph: the GPU time, without host launch cost."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench(graph.replay)
+
+
 def skewed_topk(tokens, experts, k, seed=0, device="cuda"):
     """Skewed routing: expert probabilities softmax(N(0,1)), k distinct experts per token."""
     gen = torch.Generator().manual_seed(seed)
@@ -78,10 +88,14 @@ def main():
         weights = weights.to(dtype)
         hidden = torch.randn(tokens, shape.hidden, device="cuda", dtype=dtype, requires_grad=True)
 
-        # Routing metadata.
-        t_ours = bench(lambda: cm.moe_route(ids, shape.experts))
-        t_comp = bench(lambda: route_composition(ids, shape.experts))
-        route_rows.append(dict(model=shape.name, tokens=tokens, ours_ms=t_ours, composition_ms=t_comp))
+        # Routing metadata: eager (host launch cost included when it exceeds the GPU time) and
+        # replayed from a CUDA graph (GPU time alone).
+        ours_route = lambda: cm.moe_route(ids, shape.experts)  # noqa: E731
+        comp_route = lambda: route_composition(ids, shape.experts)  # noqa: E731
+        route_rows.append(dict(model=shape.name, tokens=tokens,
+                               ours_ms=bench(ours_route), composition_ms=bench(comp_route),
+                               ours_graph_ms=bench_graph(ours_route),
+                               composition_graph_ms=bench_graph(comp_route)))
 
         def ours(h, i, w):
             return cm.moe_experts(h, i, w, mod.gate_up_proj, mod.down_proj)
@@ -117,10 +131,12 @@ def main():
                   f"{r['hf_compiled_ms']:9.3f} {r['hf_compiled_ms'] / r['ours_compiled_ms']:5.2f}x")
         del mod, hidden, grad
         torch.cuda.empty_cache()
-    print(f"\n{'routing metadata':18s} {'T':>5s} {'moe_route':>10s} {'composition':>12s} {'x':>6s}   (us)")
+    print(f"\n{'routing metadata':18s} {'T':>5s} {'moe_route':>10s} {'composition':>12s} {'x':>6s}"
+          f" {'graph: ours':>12s} {'composition':>12s} {'x':>6s}   (us)")
     for r in route_rows:
         print(f"{r['model']:18s} {r['tokens']:5d} {r['ours_ms'] * 1e3:10.1f} {r['composition_ms'] * 1e3:12.1f} "
-              f"{r['composition_ms'] / r['ours_ms']:5.2f}x")
+              f"{r['composition_ms'] / r['ours_ms']:5.2f}x {r['ours_graph_ms'] * 1e3:12.1f} "
+              f"{r['composition_graph_ms'] * 1e3:12.1f} {r['composition_graph_ms'] / r['ours_graph_ms']:5.2f}x")
     if args.json:
         write_json(args.json, dict(environment=env, experts=rows, routing=route_rows))
 

@@ -13,6 +13,7 @@ from torch import Tensor
 from compiled_moe import ops as _ops  # noqa: F401  (registers torch.ops.compiled_moe.*)
 from compiled_moe.reference import counts_to_offsets, offsets_to_counts
 from compiled_moe.experts import moe_experts
+from compiled_moe.modules import GroupedLinear, MoEExperts
 
 __all__ = [
     "grouped_mm",
@@ -25,6 +26,8 @@ __all__ = [
     "moe_route",
     "moe_permute",
     "moe_unpermute",
+    "GroupedLinear",
+    "MoEExperts",
 ]
 __version__ = "0.1.0"
 

@@ -117,11 +117,21 @@ def int64(v: int) -> ctypes.c_int64:
     return ctypes.c_int64(v)
 
 
-def launch(function, device_index: int, grid: int, block: int, shared_bytes: int, *args) -> None:
-    """Launch on torch's current stream. Tensors pass as pointers; ints must be wrapped (int32/int64)."""
-    from cuda.core import Device, LaunchConfig, launch as cuda_launch
+@functools.lru_cache(maxsize=None)
+def _launch_config(grid: int, block: int, shared_bytes: int):
+    from cuda.core import LaunchConfig
 
-    Device(device_index).set_current()
-    stream = _stream(torch.cuda.current_stream(device_index).cuda_stream)
+    return LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
+
+
+def launch(function, grid: int, block: int, shared_bytes: int, *args) -> None:
+    """Launch on torch's current stream. Tensors pass as pointers; ints must be wrapped (int32/int64).
+
+    The caller has just allocated its outputs with torch on the same device, so the device's
+    primary context (which torch and cuda.core share) is current on this thread.
+    """
+    from cuda.core import launch as cuda_launch
+
+    stream = _stream(torch.cuda.current_stream().cuda_stream)
     params = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
-    cuda_launch(stream, LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes), function, *params)
+    cuda_launch(stream, _launch_config(grid, block, shared_bytes), function, *params)

@@ -22,7 +22,7 @@ ROUTE_SHAPES = [  # tokens, top_k, experts, pad_multiple, id range
     (3000, 4, 128, 16, (-1, 140)),    # dropped pairs (expert parallelism) and padding
     (65537, 8, 64, 1, (0, 64)),       # several items per lane, ragged last chunk
     (1000, 6, 2048, 1, (0, 2048)),    # many experts: fewer warps per block
-    (513, 3, 12288, 4, (0, 12288)),   # the most experts supported
+    (513, 3, 4096, 4, (0, 4096)),     # the most experts supported
 ]
 
 

@@ -353,3 +353,43 @@ def test_experts_bad_inputs(change, exc, match):
     inp = _experts_inputs("swiglu", False, dtype=torch.float32)
     with pytest.raises(exc, match=match):
         cm.moe_experts(**dict(inp, **change))
+
+
+# ------------------------------------------------------------------ modules
+
+
+def test_grouped_linear_matches_per_group_linear():
+    torch.manual_seed(0)
+    layer = cm.GroupedLinear(3, 8, 5, dtype=torch.float64)
+    x = torch.randn(10, 8, dtype=torch.float64)
+    offs = torch.tensor([4, 4, 9], dtype=torch.int32)
+    want = torch.zeros(10, 5, dtype=torch.float64)
+    for g, (s, e) in enumerate([(0, 4), (4, 4), (4, 9)]):
+        want[s:e] = torch.nn.functional.linear(x[s:e], layer.weight[g], layer.bias[g])
+    torch.testing.assert_close(layer(x, offs), want)
+    bound = 8 ** -0.5  # nn.Linear's init range
+    assert layer.weight.abs().max() <= bound and layer.weight.abs().max() > 0.5 * bound
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_moe_experts_module(transposed):
+    torch.manual_seed(0)
+    mod = cm.MoEExperts(4, 16, 8, activation="gpt_oss", gate_up_layout="interleaved", bias=True,
+                        weights_transposed=transposed, dtype=torch.float64)
+    names = {n for n, _ in mod.named_parameters()}
+    assert names == {"gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"}
+    w1, w2 = mod.gate_up_proj, mod.down_proj
+    if transposed:
+        assert tuple(w1.shape) == (4, 16, 16) and tuple(w2.shape) == (4, 8, 16)
+        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
+    hidden = torch.randn(9, 16, dtype=torch.float64)
+    ids = torch.randint(0, 4, (9, 2))
+    weights = torch.rand(9, 2, dtype=torch.float64)
+    want = loop_moe_experts(hidden, ids, weights, w1, w2, "gpt_oss", "interleaved",
+                            mod.gate_up_proj_bias, mod.down_proj_bias)
+    torch.testing.assert_close(mod(hidden, ids, weights), want)
+    # A state dict round-trips into a fresh module.
+    other = cm.MoEExperts(4, 16, 8, activation="gpt_oss", gate_up_layout="interleaved", bias=True,
+                          weights_transposed=transposed, dtype=torch.float64)
+    other.load_state_dict(mod.state_dict())
+    torch.testing.assert_close(other(hidden, ids, weights), want)

@@ -20,8 +20,10 @@ from compiled_moe import reference
 from compiled_moe.ops._dispatch import check_same_device, check_tensor, use_kernel
 
 _ID_DTYPES = (torch.int32, torch.int64)
-# moe_route keeps one row of per-expert counts per warp in 48 KB of shared memory.
-MAX_EXPERTS = 12288
+# moe_route's kernels keep per-expert counts in at most 48 KB of shared memory (the default
+# limit): one row per warp in the first, two rows in the second.
+_SHARED_INTS = 12288
+MAX_EXPERTS = 4096
 
 
 def _kernels():
@@ -58,7 +60,11 @@ def _moe_route(topk_ids: Tensor, num_experts: int, pad_multiple: int = 1
     if topk_ids.device.type != "cuda" or not native.available():
         return reference.moe_route(topk_ids, num_experts, pad_multiple)
     offs, row_of, source = _route_outputs(topk_ids, num_experts, pad_multiple)
-    _route_cuda(topk_ids.contiguous(), num_experts, pad_multiple, offs, row_of, source)
+    if topk_ids.device.index == torch.cuda.current_device():
+        _route_cuda(topk_ids.contiguous(), num_experts, pad_multiple, offs, row_of, source)
+    else:  # launches go to the current device's context and stream
+        with torch.cuda.device(topk_ids.device):
+            _route_cuda(topk_ids.contiguous(), num_experts, pad_multiple, offs, row_of, source)
     return offs, row_of, source
 
 
@@ -72,23 +78,21 @@ def _route_cuda(ids: Tensor, num_experts: int, pad_multiple: int, offs: Tensor, 
                 source: Tensor) -> None:
     from compiled_moe import native
 
-    dev = ids.device.index if ids.device.index is not None else torch.cuda.current_device()
+    dev = torch.cuda.current_device()
     suffix = "i32" if ids.dtype == torch.int32 else "i64"
     n = ids.numel()
     # Chunks of (warps x 32 x items) pairs, one block each; at most ~128 chunks, so the second
     # kernel's read of every chunk's histogram stays small.
-    num_warps = max(1, min(32, MAX_EXPERTS // num_experts))
+    num_warps = max(1, min(32, _SHARED_INTS // num_experts))
     block = 32 * num_warps
     items = max(1, math.ceil(n / (block * 128)))
     chunk = block * items
     num_chunks = max(1, math.ceil(n / chunk))
     hist = torch.empty(num_chunks * num_experts, dtype=torch.int32, device=ids.device)
     i32, i64 = native.int32, native.int64
-    native.launch(native.kernel("moe_route", f"moe_route_rank_{suffix}", dev), dev,
-                  num_chunks, block, 4 * num_warps * num_experts,
+    native.launch(native.kernel("moe_route", f"moe_route_rank_{suffix}", dev), num_chunks, block, 4 * num_warps * num_experts,
                   ids, row_of, hist, i64(n), i32(num_experts), i32(items))
-    native.launch(native.kernel("moe_route", f"moe_route_place_{suffix}", dev), dev,
-                  num_chunks, block, 4 * (2 * num_experts + 32),
+    native.launch(native.kernel("moe_route", f"moe_route_place_{suffix}", dev), num_chunks, block, 4 * (2 * num_experts + 32),
                   ids, row_of, hist, offs, source, i64(n), i64(source.shape[0]), i32(num_experts),
                   i32(num_chunks), i32(chunk), i32(pad_multiple))
 

@@ -1,0 +1,102 @@
+"""nn.Modules over the ops: GroupedLinear and MoEExperts.
+
+Weights use nn.Linear's (out_features, in_features) layout per group, which is also how Hugging
+Face stores expert weights (``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I)), so state
+dicts load as they are. Models that store experts transposed (GPT-OSS: (E, H, 2I) and (E, I, H))
+set ``weights_transposed=True``; the ops take either layout without a copy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from compiled_moe.experts import moe_experts
+from compiled_moe.reference import GATED_ACTIVATIONS, GPT_OSS_ALPHA, GPT_OSS_LIMIT
+
+
+def _init_like_linear(weight: Tensor, bias: Tensor | None, in_features: int) -> None:
+    """nn.Linear's default init, per group: kaiming_uniform(a=sqrt(5)) is U(-1/sqrt(in), 1/sqrt(in))."""
+    bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
+    with torch.no_grad():
+        weight.uniform_(-bound, bound)
+        if bias is not None:
+            bias.uniform_(-bound, bound)
+
+
+class GroupedLinear(nn.Module):
+    """G independent linear layers over row groups: ``y[r] = x[r] @ weight[g].T + bias[g]``.
+
+    forward(x (M, in_features), offs int32 (G,)) -> (M, out_features); rows past offs[-1] are 0.
+    """
+
+    def __init__(self, num_groups: int, in_features: int, out_features: int, bias: bool = True,
+                 device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
+        self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **kw))
+        self.bias = nn.Parameter(torch.empty(num_groups, out_features, **kw)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _init_like_linear(self.weight, self.bias, self.in_features)
+
+    def forward(self, x: Tensor, offs: Tensor) -> Tensor:
+        from compiled_moe import grouped_mm
+
+        return grouped_mm(x, self.weight.transpose(-2, -1), offs, bias=self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"num_groups={self.num_groups}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.bias is not None}")
+
+
+class MoEExperts(nn.Module):
+    """The experts of an MoE layer: forward(hidden (T, H), topk_ids (T, k), topk_weights (T, k)) -> (T, H).
+
+    Parameters (Hugging Face names): ``gate_up_proj`` (E, N1, H) with N1 = 2I for gated
+    activations (I otherwise), ``down_proj`` (E, H, I), and with ``bias=True``
+    ``gate_up_proj_bias`` (E, N1), ``down_proj_bias`` (E, H). ``weights_transposed=True`` stores
+    the two weights as (E, H, N1) and (E, I, H) instead.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
+                 activation: str = "swiglu", gate_up_layout: str = "stacked", bias: bool = False,
+                 weights_transposed: bool = False, alpha: float = GPT_OSS_ALPHA,
+                 limit: float = GPT_OSS_LIMIT, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        n1 = 2 * intermediate_size if activation in GATED_ACTIVATIONS else intermediate_size
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.activation, self.gate_up_layout = activation, gate_up_layout
+        self.weights_transposed = weights_transposed
+        self.alpha, self.limit = alpha, limit
+        shape1, shape2 = (num_experts, n1, hidden_size), (num_experts, hidden_size, intermediate_size)
+        if weights_transposed:
+            shape1, shape2 = (num_experts, hidden_size, n1), (num_experts, intermediate_size, hidden_size)
+        self.gate_up_proj = nn.Parameter(torch.empty(shape1, **kw))
+        self.down_proj = nn.Parameter(torch.empty(shape2, **kw))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, n1, **kw)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size, **kw)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _init_like_linear(self.gate_up_proj, self.gate_up_proj_bias, self.hidden_size)
+        _init_like_linear(self.down_proj, self.down_proj_bias, self.intermediate_size)
+
+    def forward(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        w1, w2 = self.gate_up_proj, self.down_proj
+        if self.weights_transposed:
+            w1, w2 = w1.transpose(-2, -1), w2.transpose(-2, -1)
+        return moe_experts(hidden, topk_ids, topk_weights, w1, w2, activation=self.activation,
+                           gate_up_layout=self.gate_up_layout, b1=self.gate_up_proj_bias,
+                           b2=self.down_proj_bias, alpha=self.alpha, limit=self.limit)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, activation={self.activation}, "
+                f"gate_up_layout={self.gate_up_layout}, bias={self.gate_up_proj_bias is not None}, "
+                f"weights_transposed={self.weights_transposed}")
