@@ -12,7 +12,6 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from compiled_moe import reference
 from compiled_moe.reference import (ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS,
                                     GPT_OSS_ALPHA, GPT_OSS_LIMIT)
 from compiled_moe.ops import routing as _routing
@@ -53,6 +52,14 @@ def _check_experts_args(hidden, topk_ids, topk_weights, w1, w2, activation, gate
                       w2=w2, b1=b1, b2=b2)
 
 
+def _activation(h, activation, gate_up_layout, alpha, limit):
+    if activation != "gpt_oss" or (alpha == GPT_OSS_ALPHA and limit == GPT_OSS_LIMIT):
+        # The op's schema defaults: no Python floats reach the graph, which torch.compile
+        # (dynamic=True) would otherwise trace as symbolic inputs and restart its analysis for.
+        return torch.ops.compiled_moe.moe_activation(h, activation, gate_up_layout)
+    return torch.ops.compiled_moe.moe_activation(h, activation, gate_up_layout, alpha, limit)
+
+
 def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor,
                 *, activation: str | Callable[[Tensor], Tensor] = "swiglu", gate_up_layout: str = "stacked",
                 b1: Tensor | None = None, b2: Tensor | None = None,
@@ -89,6 +96,6 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
     if callable(activation):
         a = activation(h)
     else:
-        a = reference.activation(h, activation, gate_up_layout, alpha, limit)
+        a = _activation(h, activation, gate_up_layout, alpha, limit)
     y = grouped_mm(a, w2.transpose(-2, -1), offs, bias=b2)
     return _routing.moe_unpermute(y, row_of, source, topk_weights)

@@ -224,3 +224,40 @@ def moe_unpermute_dot(grad_out: Tensor, y: Tensor, row_of: Tensor) -> Tensor:
     picked = y[row_of.to(torch.int64).clamp(min=0)].to(cdt)
     dot = (picked * grad_out.to(cdt)[:, None, :]).sum(-1)
     return torch.where(row_of >= 0, dot, 0)
+
+
+def activation_backward(grad: Tensor, h: Tensor, name: str, gate_up_layout: str = "stacked",
+                        alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT) -> Tensor:
+    """Gradient of :func:`activation` at h given grad (rows, I): (rows, N1), in h's dtype."""
+    cdt = _compute_dtype(h.dtype)
+    x, da = h.to(cdt), grad.to(cdt)
+    if name in GATED_ACTIVATIONS:
+        g, u = split_gate_up(x, gate_up_layout)
+        if name == "swiglu":
+            s = torch.sigmoid(g)
+            dg, du = da * u * s * (1 + g * (1 - s)), da * g * s
+        elif name == "geglu":
+            c = 0.7978845608028654
+            t = torch.tanh(c * (g + 0.044715 * g ** 3))
+            dgelu = 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * c * (1 + 3 * 0.044715 * g * g)
+            dg, du = da * u * dgelu, da * 0.5 * g * (1 + t)
+        else:  # gpt_oss; clamp passes the gradient where the value is inside [min, max]
+            gc, uc = g.clamp(max=limit), u.clamp(-limit, limit)
+            s = torch.sigmoid(alpha * gc)
+            dg = torch.where(g <= limit, da * (uc + 1) * s * (1 + alpha * gc * (1 - s)), 0)
+            du = torch.where((u >= -limit) & (u <= limit), da * gc * s, 0)
+        if gate_up_layout == "interleaved":
+            out = torch.stack([dg, du], dim=-1).flatten(-2)
+        else:
+            out = torch.cat([dg, du], dim=-1)
+    elif name == "relu2":
+        out = 2 * torch.relu(x) * da
+    elif name == "gelu":
+        cdf = 0.5 * (1 + torch.erf(x * 0.7071067811865476))
+        out = da * (cdf + x * torch.exp(-0.5 * x * x) * 0.3989422804014327)
+    elif name == "silu":
+        s = torch.sigmoid(x)
+        out = da * s * (1 + x * (1 - s))
+    else:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
+    return out.to(h.dtype)

@@ -119,3 +119,11 @@ def row_copy_config(h: int, device_type: str) -> TileConfig:
     # 16 bytes per thread per load at 4 warps for bf16 rows of H >= 1024.
     block = min(1024, max(128, 1 << (max(h, 1) - 1).bit_length()))
     return TileConfig(block_m=1, block_n=block, block_k=1, num_warps=4, num_stages=1)
+
+
+@functools.lru_cache(maxsize=None)
+def activation_config(inter: int, device_type: str) -> TileConfig:
+    """Pointwise activation tile: BLOCK_M rows x BLOCK_N output columns (gate and up both read)."""
+    if device_type != "cuda":
+        return _INTERPRETER_TILE
+    return TileConfig(block_m=16, block_n=256, block_k=1, num_warps=4, num_stages=1)

@@ -2,3 +2,4 @@
 
 from compiled_moe.ops import grouped_mm  # noqa: F401
 from compiled_moe.ops import routing  # noqa: F401
+from compiled_moe.ops import activations  # noqa: F401
