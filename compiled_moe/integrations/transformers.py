@@ -14,6 +14,9 @@ switch to it in one line::
     # or through the config (also for AutoModelForCausalLM.from_config):
     config = AutoConfig.from_pretrained(name, experts_implementation="compiled_moe")
 
+The choice is not written by ``save_pretrained``: pass it again when loading. Register before
+building or loading the model (transformers validates the name then).
+
 The backend runs :func:`compiled_moe.moe_experts` on the module's own parameters (no copy: a
 transposed (E, H, N) storage such as GPT-OSS's is passed as a strided view) and is differentiable
 in the hidden states, the routing weights and every expert parameter. It never reads device data
@@ -192,8 +195,10 @@ def _experts_with_post_norm(module, x, topk_ids, topk_weights, w1, w2, b1, b2, a
     offs, row_of, source = compiled_moe.moe_route(topk_ids, w1.shape[0])
     rows = compiled_moe.moe_permute(x, row_of, source)
     h = compiled_moe.grouped_mm(rows, w1.transpose(-2, -1), offs, bias=b1)
-    a = activation(h) if callable(activation) else reference.activation(h, activation, layout,
-                                                                         alpha, limit)
+    if callable(activation):
+        a = activation(h)
+    else:
+        a = torch.ops.compiled_moe.moe_activation(h, activation, layout, alpha, limit)
     y = compiled_moe.grouped_mm(a, w2.transpose(-2, -1), offs, bias=b2)
     y = module.post_expert_norm(y)
     return compiled_moe.moe_unpermute(y, row_of, source, weights=topk_weights)
