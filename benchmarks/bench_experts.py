@@ -129,8 +129,6 @@ def main():
             print(f"{shape.name:18s} {tokens:5d} {pas:8s} {r['ours_eager_ms']:10.3f} {r['hf_eager_ms']:9.3f} "
                   f"{r['hf_eager_ms'] / r['ours_eager_ms']:5.2f}x {r['ours_compiled_ms']:10.3f} "
                   f"{r['hf_compiled_ms']:9.3f} {r['hf_compiled_ms'] / r['ours_compiled_ms']:5.2f}x")
-        del mod, hidden, grad
-        torch.cuda.empty_cache()
     print(f"\n{'routing metadata':18s} {'T':>5s} {'moe_route':>10s} {'composition':>12s} {'x':>6s}"
           f" {'graph: ours':>12s} {'composition':>12s} {'x':>6s}   (us)")
     for r in route_rows:

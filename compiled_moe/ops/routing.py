@@ -107,7 +107,7 @@ def _check_layout(name, x, row_of, source) -> None:
     check_same_device(name, x, row_of=row_of, source=source)
 
 
-def _check_pair_tensor(name, t, row_of, ref) -> None:
+def _check_pair_tensor(name, t, row_of) -> None:
     if t is None:
         return
     check_tensor(name, t, 2, None)
@@ -124,7 +124,7 @@ def _check_permute(hidden, row_of, source, scale) -> None:
     if hidden.shape[0] != row_of.shape[0]:
         raise ValueError(f"hidden has {hidden.shape[0]} tokens but row_of is "
                          f"{tuple(row_of.shape)}; they must match")
-    _check_pair_tensor("scale", scale, row_of, hidden)
+    _check_pair_tensor("scale", scale, row_of)
 
 
 def _check_unpermute(y, row_of, source, weights) -> None:
@@ -132,7 +132,7 @@ def _check_unpermute(y, row_of, source, weights) -> None:
     if y.shape[0] != source.shape[0]:
         raise ValueError(f"y has {y.shape[0]} rows but source has {source.shape[0]}; "
                          f"y must hold one row per sorted row")
-    _check_pair_tensor("weights", weights, row_of, y)
+    _check_pair_tensor("weights", weights, row_of)
 
 
 @torch.library.triton_op("compiled_moe::moe_permute", mutates_args=())
