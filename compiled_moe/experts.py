@@ -14,7 +14,6 @@ from torch import Tensor
 
 from compiled_moe.reference import (ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS,
                                     GPT_OSS_ALPHA, GPT_OSS_LIMIT)
-from compiled_moe.ops import routing as _routing
 from compiled_moe.ops._dispatch import check_same_device, check_tensor
 
 
@@ -87,15 +86,13 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
         (T, H) in hidden's dtype. Differentiable in hidden, w1, w2, b1, b2 and topk_weights.
     """
     _check_experts_args(hidden, topk_ids, topk_weights, w1, w2, activation, gate_up_layout, b1, b2)
-    from compiled_moe import grouped_mm
-
     num_experts = w1.shape[0]
-    offs, row_of, source = _routing.moe_route(topk_ids, num_experts)
-    x = _routing.moe_permute(hidden, row_of, source)
-    h = grouped_mm(x, w1.transpose(-2, -1), offs, bias=b1)
+    offs, row_of, source = torch.ops.compiled_moe.moe_route(topk_ids, num_experts)
+    x = torch.ops.compiled_moe.moe_permute(hidden, row_of, source)
+    h = torch.ops.compiled_moe.grouped_mm(x, w1.transpose(-2, -1), offs, b1)
     if callable(activation):
         a = activation(h)
     else:
         a = _activation(h, activation, gate_up_layout, alpha, limit)
-    y = grouped_mm(a, w2.transpose(-2, -1), offs, bias=b2)
-    return _routing.moe_unpermute(y, row_of, source, topk_weights)
+    y = torch.ops.compiled_moe.grouped_mm(a, w2.transpose(-2, -1), offs, b2)
+    return torch.ops.compiled_moe.moe_unpermute(y, row_of, source, topk_weights)

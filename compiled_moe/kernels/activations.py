@@ -13,8 +13,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from compiled_moe.kernels.configs import activation_config
-from compiled_moe.kernels.grouped_mm import _size_hint
+from compiled_moe.kernels.configs import activation_config, size_hint
 
 # Activation codes (constexpr in the kernels).
 CODES = {"swiglu": 0, "geglu": 1, "gpt_oss": 2, "relu2": 3, "gelu": 4, "silu": 5}
@@ -140,7 +139,7 @@ def _launch(h, grad, out, activation, gate_up_layout, alpha, limit, backward):
         h = h.contiguous()
     if grad is not None and grad.stride(-1) != 1:
         grad = grad.contiguous()
-    cfg = activation_config(_size_hint(inter), h.device.type)
+    cfg = activation_config(size_hint(inter), h.device.type)
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(inter, cfg.block_n))
     wrap_triton(_activation_kernel)[grid](
         h, grad, out, M, inter, h.stride(0), grad.stride(0) if grad is not None else 0,

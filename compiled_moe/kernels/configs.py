@@ -14,6 +14,15 @@ import sys
 import torch
 
 
+def size_hint(x) -> int:
+    """A concrete value of a size that may be symbolic under torch.compile, read without a guard:
+    tile choice never changes results, so a compiled graph may keep one tile for all sizes."""
+    if isinstance(x, int):
+        return x
+    hint = getattr(getattr(x, "node", None), "hint", None)
+    return int(hint) if hint is not None else 1
+
+
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
     block_m: int

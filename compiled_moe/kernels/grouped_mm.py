@@ -22,6 +22,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from compiled_moe.kernels.configs import (
+    size_hint,
     grouped_mm_config,
     grouped_mm_wgrad_config,
     grouped_sum_config,
@@ -362,15 +363,6 @@ def _pad_groups(num_groups: int) -> int:
     return max(16, triton.next_power_of_2(num_groups))
 
 
-def _size_hint(x) -> int:
-    """A concrete value of a size that may be symbolic under torch.compile, read without a guard:
-    tile choice never changes results, so a compiled graph may keep one tile for all sizes."""
-    if isinstance(x, int):
-        return x
-    hint = getattr(getattr(x, "node", None), "hint", None)
-    return int(hint) if hint is not None else 1
-
-
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None,
                out: torch.Tensor) -> None:
     """out (M, N) = grouped a (M, K) @ b (G, K, N) (+ bias (G, N)), written everywhere."""
@@ -381,7 +373,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bias: torch
         return
     offs = offs.contiguous()  # the kernels read offs[g] at offs_ptr + g
     b_k_contiguous = b.stride(1) == 1 and b.stride(2) != 1
-    cfg = grouped_mm_config(_size_hint(N), _size_hint(K), a.dtype, a.device.type)
+    cfg = grouped_mm_config(size_hint(N), size_hint(K), a.dtype, a.device.type)
     b_inner = b.transpose(1, 2) if b_k_contiguous else b
     use_tma = K > 0 and _use_tma(a, b_inner)  # no descriptor over an empty K dimension
     tma_store = use_tma and _tma_ok(out)
@@ -415,7 +407,7 @@ def grouped_mm_wgrad(a: torch.Tensor, grad_out: torch.Tensor, offs: torch.Tensor
     offs = offs.contiguous()
     if accumulate_mask is not None:
         accumulate_mask = accumulate_mask.contiguous()
-    cfg = grouped_mm_wgrad_config(max(1, _size_hint(M) // G), _size_hint(K), _size_hint(N),
+    cfg = grouped_mm_wgrad_config(max(1, size_hint(M) // G), size_hint(K), size_hint(N),
                                   a.dtype, a.device.type)
     use_tma = M > 0 and _use_tma(a, grad_out)
     tma_store = use_tma and _tma_ok(out)
@@ -443,7 +435,7 @@ def grouped_sum(x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
     if N == 0:
         return
     offs = offs.contiguous()
-    cfg = grouped_sum_config(_size_hint(N), x.device.type)
+    cfg = grouped_sum_config(size_hint(N), x.device.type)
     grid = (G, triton.cdiv(N, cfg.block_n))
     wrap_triton(_grouped_sum_kernel)[grid](
         x, out, offs, M, N, G,

@@ -15,8 +15,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from compiled_moe.kernels.configs import row_copy_config
-from compiled_moe.kernels.grouped_mm import _size_hint
+from compiled_moe.kernels.configs import row_copy_config, size_hint
 
 
 @triton.jit
@@ -77,7 +76,7 @@ def gather_rows(x: torch.Tensor, source: torch.Tensor, top_k: int, out: torch.Te
     source = source.contiguous()
     scale = scale.contiguous() if scale is not None else None
     other = _rows(other) if other is not None else None
-    cfg = row_copy_config(_size_hint(H), out.device.type)
+    cfg = row_copy_config(size_hint(H), out.device.type)
     wrap_triton(_gather_rows_kernel)[(num_rows,)](
         x, source, scale, other, out, dot, H, top_k,
         x.stride(0), other.stride(0) if other is not None else 0, out.stride(0),
@@ -94,7 +93,7 @@ def combine_rows(y: torch.Tensor, row_of: torch.Tensor, out: torch.Tensor,
     if num_tokens == 0 or H == 0:
         return
     y = _rows(y)
-    cfg = row_copy_config(_size_hint(H), out.device.type)
+    cfg = row_copy_config(size_hint(H), out.device.type)
     grid = (num_tokens, triton.cdiv(H, cfg.block_n))
     wrap_triton(_combine_rows_kernel)[grid](
         y, row_of.contiguous(), weights.contiguous() if weights is not None else None, out,

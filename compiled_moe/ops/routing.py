@@ -237,14 +237,3 @@ def _(grad_out, y, row_of, source, weights):
     _check_permute(grad_out, row_of, source, weights)
     return y.new_empty(y.shape), weights.new_empty(weights.shape)
 
-
-def moe_route(topk_ids, num_experts, pad_multiple=1):
-    return torch.ops.compiled_moe.moe_route(topk_ids, num_experts, pad_multiple)
-
-
-def moe_permute(hidden, row_of, source, scale=None):
-    return torch.ops.compiled_moe.moe_permute(hidden, row_of, source, scale)
-
-
-def moe_unpermute(y, row_of, source, weights=None):
-    return torch.ops.compiled_moe.moe_unpermute(y, row_of, source, weights)
