@@ -261,3 +261,215 @@ def activation_backward(grad: Tensor, h: Tensor, name: str, gate_up_layout: str 
     else:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
     return out.to(h.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8: grouped quantize and scaled grouped GEMMs
+# ---------------------------------------------------------------------------------------------
+# Scale conventions (every scale is a dequantization multiplier: x ~ data * scale):
+#   fp8_rowwise    one fp32 scale per row (per group and column for columnwise data)
+#   fp8_blockwise  fp32 scales of 1x128 blocks (2-D activations), 128x128 blocks (3-D weights)
+#   mxfp8          E8M0 (uint8, 2^(byte-127)) scales of 1x32 blocks, power-of-two
+# fp32 scales are amax / 448; E8M0 exponents round up (the smallest power of two with
+# amax <= 448 * 2^e), so no value saturates. A block of zeros gets scale 1.0 (fp32) or byte 0
+# (2^-127); a block holding Inf or NaN gets scale +Inf (fp32) or byte 255 (E8M0 NaN), its
+# non-finite elements NaN data and its finite ones 0, so dequantizing shows the bad block.
+
+FP8_RECIPES = ("fp8_rowwise", "fp8_blockwise", "mxfp8")
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+E8M0_NAN = 255
+_E8M0_SUBNORMAL_MIN_BITS = 0x00400000  # 2^-127 as fp32 bits
+
+
+def check_recipe(recipe: str) -> None:
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"recipe must be one of {FP8_RECIPES}, got {recipe!r}")
+
+
+def fp8_block(recipe: str, weight: bool = False) -> tuple[int, int]:
+    """(rows, columns) of x sharing one scale; 0 columns means the whole row."""
+    if recipe == "fp8_blockwise":
+        return (128, 128) if weight else (1, 128)
+    if recipe == "mxfp8":
+        return 1, 32
+    return 1, 0
+
+
+def fp8_column_block(recipe: str) -> int:
+    """Rows per columnwise block of 2-D data (0: the whole group)."""
+    return {"fp8_blockwise": 128, "mxfp8": 32, "fp8_rowwise": 0}[recipe]
+
+
+def fp8_column_slots(num_rows, num_groups: int, recipe: str):
+    """Columnwise scale slots of 2-D data: every group's blocks, plus the rows past the last
+    group as one more group; blocks never cross a group boundary."""
+    rows = fp8_column_block(recipe)
+    if rows == 0:
+        return num_groups + 1
+    return (num_rows + rows - 1) // rows + num_groups
+
+
+def _amax_nonfinite_as_inf(x: Tensor) -> Tensor:
+    return torch.where(torch.isnan(x), float("inf"), x.abs())
+
+
+def fp8_scale_from_amax(amax: Tensor, recipe: str) -> Tensor:
+    """Scale of each block from its amax (fp32): fp32 amax/448, or the E8M0 byte for mxfp8."""
+    amax = amax.to(torch.float32)
+    if recipe == "mxfp8":
+        bits = amax.view(torch.int32)
+        exp = ((bits >> 23) & 0xFF) - 127
+        exp = exp - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+        byte = (exp.clamp(-127, 127) + 127).to(torch.uint8)
+        return torch.where(torch.isfinite(amax), byte, E8M0_NAN).to(torch.uint8)
+    scale = amax / FP8_MAX
+    return torch.where(amax == 0, 1.0, scale)
+
+
+def e8m0_to_float(byte: Tensor) -> Tensor:
+    """E8M0 bytes -> fp32 powers of two (byte 0 is 2^-127, 255 NaN)."""
+    b = byte.to(torch.int32)
+    bits = torch.where(b == 0, _E8M0_SUBNORMAL_MIN_BITS, b << 23)
+    return torch.where(b == E8M0_NAN, float("nan"), bits.view(torch.float32))
+
+
+def scale_to_float(scale: Tensor) -> Tensor:
+    return e8m0_to_float(scale) if scale.dtype == torch.uint8 else scale.to(torch.float32)
+
+
+def fp8_quantize_values(x: Tensor, scale: Tensor) -> Tensor:
+    """e4m3 data of x (fp32) under its block's scale (broadcast to x), saturating."""
+    if scale.dtype == torch.uint8:
+        exp = scale.to(torch.int32) - 127
+        inv = ((127 - exp).clamp(1, 254) << 23).view(torch.float32)  # 2^-e, exact
+        q = x * inv
+        q = torch.where(scale == E8M0_NAN, 0.0, q)
+    else:
+        q = x / scale
+    q = torch.where(torch.isfinite(x), q.clamp(-FP8_MAX, FP8_MAX), float("nan"))
+    return q.to(FP8_DTYPE)
+
+
+def _quantize_tiles(x: Tensor, block_rows: int, block_cols: int, recipe: str
+                    ) -> tuple[Tensor, Tensor]:
+    """Quantize (G, R, C) in blocks of block_rows x block_cols (block_cols 0: whole rows).
+
+    Returns data (G, R, C) e4m3 and scale (G, ceil(R/block_rows), ceil(C/block_cols)).
+    """
+    num_groups, rows, cols = x.shape
+    bc = max(cols, 1) if block_cols == 0 else block_cols
+    nr, nc = -(-rows // block_rows), max(1, -(-cols // bc))
+    xf = x.to(torch.float32)
+    padded = xf.new_zeros(num_groups, nr * block_rows, nc * bc)
+    padded[:, :rows, :cols] = xf
+    blocks = _amax_nonfinite_as_inf(padded).view(num_groups, nr, block_rows, nc, bc)
+    scale = fp8_scale_from_amax(blocks.amax(dim=(2, 4)), recipe)  # (G, nr, nc)
+    full = scale.repeat_interleave(block_rows, 1).repeat_interleave(bc, 2)[:, :rows, :cols]
+    return fp8_quantize_values(xf, full), scale
+
+
+def grouped_quantize(x: Tensor, offs: Tensor | None, recipe: str, rowwise: bool = True,
+                     columnwise: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """FP8 quantization of every group at once: (data, scale, col_data, col_scale).
+
+    2-D x (M, K) with offs (G,): groups of rows.
+      data (M, K); scale (M, ceil(K/b)) for 1 x b blocks (fp8_rowwise: (M, 1)).
+      col_data (K, M), the transpose; col_scale (K, S), S = fp8_column_slots(M, G): block j of
+      group g (b rows, never crossing the group's end) has slot sum_{h<g} ceil(m_h/b) + j,
+      the rows past the last group count as group G, unused slots are zero blocks.
+      fp8_rowwise: one block per group, slot g.
+    3-D x (G, N, K), a stacked weight (offs unused): data (G, N, K) with scale
+      (G, ceil(N/br), ceil(K/bc)) (blockwise 128x128, mxfp8 1x32, fp8_rowwise (G, N, 1));
+      col_data (G, K, N) and col_scale, the same quantization of x.mT.
+    Directions not asked for come back as empty tensors.
+    """
+    check_recipe(recipe)
+    dev = x.device
+    empty8 = torch.empty(0, dtype=FP8_DTYPE, device=dev)
+    empty_s = torch.empty(0, dtype=torch.uint8 if recipe == "mxfp8" else torch.float32,
+                          device=dev)
+    data = scale = col_data = col_scale = None
+    if x.dim() == 3:
+        br, bc = fp8_block(recipe, weight=True)
+        if rowwise:
+            data, scale = _quantize_tiles(x, br, bc, recipe)
+        if columnwise:
+            col_data, col_scale = _quantize_tiles(x.mT, br, bc, recipe)
+    else:
+        _, bc = fp8_block(recipe)
+        if rowwise:
+            data, scale = _quantize_tiles(x[None], 1, bc, recipe)
+            data, scale = data[0], scale[0]
+        if columnwise:
+            col_data, col_scale = _quantize_group_columns(x, offs, recipe)
+    return (empty8 if data is None else data, empty_s if scale is None else scale,
+            empty8 if col_data is None else col_data, empty_s if col_scale is None else col_scale)
+
+
+def fp8_column_slot_of_rows(offs: Tensor, num_rows, recipe: str) -> Tensor:
+    """Columnwise scale slot (int64) of every row of 2-D data (see grouped_quantize)."""
+    starts, ends = group_bounds(offs, num_rows)
+    gid = row_group_ids(offs, num_rows)  # rows past the end: group G
+    block = fp8_column_block(recipe)
+    if block == 0:
+        return gid
+    tail_start = ends[-1:]
+    starts = torch.cat([starts, tail_start])
+    sizes = torch.cat([ends, ends.new_full((1,), num_rows)]) - starts
+    blocks = (sizes + block - 1) // block
+    first = torch.cumsum(blocks, 0) - blocks
+    rows = torch.arange(num_rows, device=offs.device, dtype=torch.int64)
+    return first[gid] + (rows - starts[gid]) // block
+
+
+def _quantize_group_columns(x: Tensor, offs: Tensor, recipe: str) -> tuple[Tensor, Tensor]:
+    num_rows, cols = x.shape
+    slots = fp8_column_slots(num_rows, offs.shape[0], recipe)
+    slot = fp8_column_slot_of_rows(offs, num_rows, recipe)
+    xf = x.to(torch.float32)
+    amax = xf.new_zeros(slots, cols).scatter_reduce(
+        0, slot[:, None].expand(num_rows, cols), _amax_nonfinite_as_inf(xf), "amax")
+    scale = fp8_scale_from_amax(amax, recipe)  # (S, K)
+    data = fp8_quantize_values(xf, scale[slot])
+    return data.t().contiguous(), scale.t().contiguous()
+
+
+def _expand_scale(scale: Tensor, rows: int, cols: int, block_rows: int, block_cols: int) -> Tensor:
+    """(…, nr, nc) block scales -> (…, rows, cols) fp32 multipliers."""
+    s = scale_to_float(scale)
+    bc = max(cols, 1) if block_cols == 0 else block_cols
+    return s.repeat_interleave(block_rows, -2).repeat_interleave(bc, -1)[..., :rows, :cols]
+
+
+def dequantize_rows(data: Tensor, scale: Tensor, recipe: str, weight: bool = False) -> Tensor:
+    """fp32 values of rowwise-quantized data: 2-D (M, K) activations or 3-D (G, N, K) weights."""
+    br, bc = fp8_block(recipe, weight)
+    return data.to(torch.float32) * _expand_scale(scale, data.shape[-2], data.shape[-1], br, bc)
+
+
+def dequantize_columns(col_data: Tensor, col_scale: Tensor, offs: Tensor, recipe: str) -> Tensor:
+    """fp32 (M, K) values of 2-D columnwise data (col_data (K, M), col_scale (K, S))."""
+    slot = fp8_column_slot_of_rows(offs, col_data.shape[1], recipe)
+    return col_data.t().to(torch.float32) * scale_to_float(col_scale).t()[slot]
+
+
+def scaled_grouped_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, offs: Tensor,
+                      recipe: str, out_dtype: torch.dtype | None = None) -> Tensor:
+    """out[r] = dequant(a)[r] @ dequant(b)[g(r)], fp32 math; rows past offs[-1] are 0.
+
+    a (M, K) e4m3 with its rowwise scale; b (G, K, N) e4m3, the transposed view of a (G, N, K)
+    rowwise-quantized weight, with that weight's scale.
+    """
+    a_deq = dequantize_rows(a, a_scale, recipe)
+    b_deq = dequantize_rows(b.mT, b_scale, recipe, weight=True).mT
+    return grouped_mm(a_deq, b_deq, offs, out_dtype=out_dtype or torch.bfloat16)
+
+
+def scaled_grouped_mm_wgrad(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale: Tensor,
+                            offs: Tensor, recipe: str, out_dtype: torch.dtype | None = None
+                            ) -> Tensor:
+    """out[g] (K, N) = dequant(a)_g^T @ dequant(d)_g from columnwise data a_t (K, M), d_t (N, M)."""
+    a_deq = dequantize_columns(a_t, a_scale, offs, recipe)
+    d_deq = dequantize_columns(d_t, d_scale, offs, recipe)
+    return grouped_mm_wgrad(a_deq, d_deq, offs, out_dtype=out_dtype or torch.bfloat16)

@@ -136,3 +136,55 @@ def activation_config(inter: int, device_type: str) -> TileConfig:
     if device_type != "cuda":
         return _INTERPRETER_TILE
     return TileConfig(block_m=16, block_n=256, block_k=1, num_warps=4, num_stages=1)
+
+
+@functools.lru_cache(maxsize=None)
+def quantize_config(kind: str, device_type: str) -> TileConfig:
+    """Tiles of the FP8 quantize kernels: BLOCK_M rows x BLOCK_N columns per program (grown to
+    at least one scale block by the launcher)."""
+    if device_type != "cuda":
+        return _INTERPRETER_TILE
+    tiles = {
+        "rows": TileConfig(block_m=4, block_n=1024, block_k=1, num_warps=4),
+        "group_columns_whole": TileConfig(block_m=32, block_n=128, block_k=1, num_warps=4),
+        "group_columns_128": TileConfig(block_m=128, block_n=128, block_k=1, num_warps=8),
+        "group_columns_32": TileConfig(block_m=32, block_n=128, block_k=1, num_warps=4),
+        "tiles_1x128": TileConfig(block_m=16, block_n=128, block_k=1, num_warps=4),
+        "tiles_1x32": TileConfig(block_m=16, block_n=128, block_k=1, num_warps=4),
+        "tiles_128x128": TileConfig(block_m=128, block_n=128, block_k=1, num_warps=8),
+    }
+    cfg = tiles[kind]
+    _log(f"quantize {kind}", (), cfg)
+    return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def scaled_grouped_mm_config(n: int, k: int, recipe: str, device_type: str) -> TileConfig:
+    """Tile of the FP8 forward/dgrad kernel. BLOCK_K is 128 for fp8_blockwise (one scale block
+    per dot) and a multiple of 32 for mxfp8."""
+    if device_type != "cuda":
+        return TileConfig(block_m=16, block_n=16, block_k=128 if recipe == "fp8_blockwise" else 32,
+                          group_m=2, num_warps=1, num_stages=1)
+
+    def heuristic():
+        if recipe == "mxfp8":  # bf16 dots on dequantized chunks: the bf16 kernel's shape
+            return TileConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
+        return TileConfig(block_m=128, block_n=256, block_k=128, num_warps=8, num_stages=3)
+
+    return _choose("scaled_grouped_mm", (n, k, recipe), device_type, heuristic)
+
+
+@functools.lru_cache(maxsize=None)
+def scaled_grouped_mm_wgrad_config(rows_per_group: int, k: int, n: int, recipe: str,
+                                   device_type: str) -> TileConfig:
+    """Tile of the FP8 weight-gradient kernel: BLOCK_M is the reduction chunk over a group's
+    rows and must be whole columnwise scale blocks (128 for fp8_blockwise, 32s for mxfp8)."""
+    if device_type != "cuda":
+        return TileConfig(block_m={"fp8_blockwise": 128, "mxfp8": 32}.get(recipe, 16),
+                          block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
+
+    def heuristic():
+        return TileConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
+
+    return _choose("scaled_grouped_mm_wgrad", (rows_per_group, k, n, recipe), device_type,
+                   heuristic)
