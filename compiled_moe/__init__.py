@@ -13,6 +13,7 @@ from torch import Tensor
 from compiled_moe import ops as _ops  # noqa: F401  (registers torch.ops.compiled_moe.*)
 from compiled_moe.reference import counts_to_offsets, offsets_to_counts
 from compiled_moe.experts import moe_experts
+from compiled_moe.fp8 import FP8_RECIPES, fp8_grouped_mm
 from compiled_moe.modules import GroupedLinear, MoEExperts
 
 __all__ = [
@@ -28,6 +29,11 @@ __all__ = [
     "moe_unpermute",
     "GroupedLinear",
     "MoEExperts",
+    "FP8_RECIPES",
+    "grouped_quantize",
+    "scaled_grouped_mm",
+    "scaled_grouped_mm_wgrad",
+    "fp8_grouped_mm",
 ]
 __version__ = "0.1.0"
 
@@ -132,3 +138,57 @@ def moe_unpermute(y: Tensor, row_of: Tensor, source: Tensor, *,
     pairs add nothing. Differentiable in y and weights.
     """
     return torch.ops.compiled_moe.moe_unpermute(y, row_of, source, weights)
+
+
+def grouped_quantize(x: Tensor, offs: Tensor | None = None, recipe: str = "fp8_blockwise", *,
+                     rowwise: bool = True, columnwise: bool = False
+                     ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+    """FP8 (e4m3) quantization of every group in one launch: ``(data, scale, col_data, col_scale)``.
+
+    Recipes: ``fp8_rowwise`` (one fp32 scale per row), ``fp8_blockwise`` (fp32 scales of 1x128
+    blocks of activations/gradients and 128x128 blocks of weights, DeepSeek-V3), ``mxfp8`` (1x32
+    blocks, E8M0 uint8 scales 2^(byte-127), exponent rounded up so nothing saturates, as NVIDIA's
+    MXFP8 training recipe does; OCP's floor rule can clip a block's largest values).
+    Scales multiply: ``x ~ data * scale``; fp32 scales are amax/448.
+
+    Args:
+        x: 2-D (M, K) activations with ``offs`` int32 (G,), or 3-D (G, N, K) weights (offs None).
+        rowwise: blocks along the last dimension: data like x, scale (M, K/b) or
+            (G, N/br, K/bc) (fp8_rowwise: last dimension 1).
+        columnwise: blocks along the other dimension, data transposed so that the reduction of
+            a weight gradient (or of a dgrad for weights) is contiguous: 2-D col_data (K, M)
+            with col_scale (K, slots), blocks never crossing a group's end; 3-D col_data
+            (G, K, N) with the scales of x.mT. See ``compiled_moe.reference.grouped_quantize``.
+
+    Zero blocks get scale 1.0 (byte 0 for E8M0) and zero data. A block holding Inf or NaN gets
+    scale +Inf (byte 255, E8M0's NaN), NaN where x was not finite and 0 elsewhere, so the
+    product of a GEMM over it is NaN, not a silently wrong number.
+    """
+    outs = torch.ops.compiled_moe.grouped_quantize(x, offs, recipe, rowwise, columnwise)
+    keep = (rowwise, rowwise, columnwise, columnwise)
+    return tuple(t if k else None for t, k in zip(outs, keep))
+
+
+def scaled_grouped_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, offs: Tensor, *,
+                      recipe: str = "fp8_blockwise", out_dtype: torch.dtype | None = None
+                      ) -> Tensor:
+    """FP8 grouped product ``out[r] = (a[r] * a_scale) @ (b[g] * b_scale[g])``, (M, N).
+
+    a: (M, K) e4m3 rowwise data with its scale; b: (G, K, N) e4m3, the ``transpose(-2, -1)`` of
+    a (G, N, K) weight's rowwise data, with that weight's scale (both from
+    :func:`grouped_quantize`). For dgrad pass the weight's columnwise data the same way.
+    fp32 accumulation (blockwise: promoted every 128 K); out_dtype default bf16; rows past
+    offs[-1] are zero.
+    """
+    return torch.ops.compiled_moe.scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe,
+                                                     out_dtype)
+
+
+def scaled_grouped_mm_wgrad(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale: Tensor,
+                            offs: Tensor, *, recipe: str = "fp8_blockwise",
+                            out_dtype: torch.dtype | None = None) -> Tensor:
+    """FP8 weight gradient ``out[g] = a_g^T @ d_g``, (G, K, N), from the columnwise data and
+    scales of a (M, K) and d (M, N) (:func:`grouped_quantize` with ``columnwise=True``);
+    out_dtype default bf16; empty groups give zeros."""
+    return torch.ops.compiled_moe.scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs,
+                                                           recipe, out_dtype)

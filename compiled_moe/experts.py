@@ -13,12 +13,13 @@ import torch
 from torch import Tensor
 
 from compiled_moe.reference import (ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS,
-                                    GPT_OSS_ALPHA, GPT_OSS_LIMIT)
+                                    GPT_OSS_ALPHA, GPT_OSS_LIMIT, check_recipe)
+from compiled_moe.fp8 import fp8_grouped_mm
 from compiled_moe.ops._dispatch import check_same_device, check_tensor
 
 
 def _check_experts_args(hidden, topk_ids, topk_weights, w1, w2, activation, gate_up_layout,
-                        b1, b2) -> None:
+                        b1, b2, fp8_recipe) -> None:
     check_tensor("hidden", hidden, 2)
     check_tensor("topk_ids", topk_ids, 2, (torch.int32, torch.int64))
     check_tensor("topk_weights", topk_weights, 2, None)
@@ -49,6 +50,8 @@ def _check_experts_args(hidden, topk_ids, topk_weights, w1, w2, activation, gate
         raise ValueError(f"b2 must be (E, H) = ({num_experts}, {hidden_size}), got {tuple(b2.shape)}")
     check_same_device("hidden", hidden, topk_ids=topk_ids, topk_weights=topk_weights, w1=w1,
                       w2=w2, b1=b1, b2=b2)
+    if fp8_recipe is not None:
+        check_recipe(fp8_recipe)
 
 
 def _activation(h, activation, gate_up_layout, alpha, limit):
@@ -59,10 +62,18 @@ def _activation(h, activation, gate_up_layout, alpha, limit):
     return torch.ops.compiled_moe.moe_activation(h, activation, gate_up_layout, alpha, limit)
 
 
+def _grouped_linear(x, w, offs, bias, fp8_recipe):
+    """x @ w[g].T (+ bias[g]) for a (G, N, K) weight, in x's dtype or in FP8."""
+    if fp8_recipe is None:
+        return torch.ops.compiled_moe.grouped_mm(x, w.transpose(-2, -1), offs, bias)
+    return fp8_grouped_mm(x, w.transpose(-2, -1), offs, recipe=fp8_recipe, bias=bias)
+
+
 def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor,
                 *, activation: str | Callable[[Tensor], Tensor] = "swiglu", gate_up_layout: str = "stacked",
                 b1: Tensor | None = None, b2: Tensor | None = None,
-                alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT) -> Tensor:
+                alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT,
+                fp8_recipe: str | None = None) -> Tensor:
     """Run every token through its top-k experts and sum the outputs with the routing weights.
 
     ``out[t] = sum_s topk_weights[t, s] * FC2_e(act(FC1_e(hidden[t])))`` with e = topk_ids[t, s].
@@ -81,18 +92,24 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
         gate_up_layout: ``stacked`` ([gate | up] halves) or ``interleaved`` (g0 u0 g1 u1 ...).
         b1: optional (E, N1); b2: optional (E, H).
         alpha, limit: the ``gpt_oss`` activation's constants.
+        fp8_recipe: None (GEMMs in hidden's dtype) or an FP8 recipe (``fp8_blockwise``,
+            ``fp8_rowwise``, ``mxfp8``): both grouped GEMMs, forward and backward, run in FP8
+            (see :func:`compiled_moe.fp8.fp8_grouped_mm`); weights stay in their dtype.
 
     Returns:
         (T, H) in hidden's dtype. Differentiable in hidden, w1, w2, b1, b2 and topk_weights.
     """
-    _check_experts_args(hidden, topk_ids, topk_weights, w1, w2, activation, gate_up_layout, b1, b2)
+    _check_experts_args(hidden, topk_ids, topk_weights, w1, w2, activation, gate_up_layout, b1, b2,
+                        fp8_recipe)
     num_experts = w1.shape[0]
-    offs, row_of, source = torch.ops.compiled_moe.moe_route(topk_ids, num_experts)
+    # FP8: groups start on 16-row boundaries, so the FP8 weight-gradient kernel reads by TMA.
+    pad = 1 if fp8_recipe is None else 16
+    offs, row_of, source = torch.ops.compiled_moe.moe_route(topk_ids, num_experts, pad)
     x = torch.ops.compiled_moe.moe_permute(hidden, row_of, source)
-    h = torch.ops.compiled_moe.grouped_mm(x, w1.transpose(-2, -1), offs, b1)
+    h = _grouped_linear(x, w1, offs, b1, fp8_recipe)
     if callable(activation):
         a = activation(h)
     else:
         a = _activation(h, activation, gate_up_layout, alpha, limit)
-    y = torch.ops.compiled_moe.grouped_mm(a, w2.transpose(-2, -1), offs, b2)
+    y = _grouped_linear(a, w2, offs, b2, fp8_recipe)
     return torch.ops.compiled_moe.moe_unpermute(y, row_of, source, topk_weights)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from compiled_moe.experts import moe_experts
+from compiled_moe.fp8 import fp8_grouped_mm
 from compiled_moe.reference import GATED_ACTIVATIONS, GPT_OSS_ALPHA, GPT_OSS_LIMIT
 
 
@@ -30,11 +31,14 @@ class GroupedLinear(nn.Module):
     """G independent linear layers over row groups: ``y[r] = x[r] @ weight[g].T + bias[g]``.
 
     forward(x (M, in_features), offs int32 (G,)) -> (M, out_features); rows past offs[-1] are 0.
+    ``fp8_recipe`` (``fp8_blockwise``, ``fp8_rowwise``, ``mxfp8``) runs forward and backward
+    GEMMs in FP8 (:func:`compiled_moe.fp8.fp8_grouped_mm`); None keeps the weight's dtype.
     """
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, bias: bool = True,
-                 device=None, dtype=None):
+                 device=None, dtype=None, fp8_recipe: str | None = None):
         super().__init__()
+        self.fp8_recipe = fp8_recipe
         kw = dict(device=device, dtype=dtype)
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
         self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **kw))
@@ -47,11 +51,15 @@ class GroupedLinear(nn.Module):
     def forward(self, x: Tensor, offs: Tensor) -> Tensor:
         from compiled_moe import grouped_mm
 
+        if self.fp8_recipe is not None:
+            return fp8_grouped_mm(x, self.weight.transpose(-2, -1), offs, recipe=self.fp8_recipe,
+                                  bias=self.bias)
         return grouped_mm(x, self.weight.transpose(-2, -1), offs, bias=self.bias)
 
     def extra_repr(self) -> str:
         return (f"num_groups={self.num_groups}, in_features={self.in_features}, "
-                f"out_features={self.out_features}, bias={self.bias is not None}")
+                f"out_features={self.out_features}, bias={self.bias is not None}, "
+                f"fp8_recipe={self.fp8_recipe}")
 
 
 class MoEExperts(nn.Module):
@@ -60,14 +68,17 @@ class MoEExperts(nn.Module):
     Parameters (Hugging Face names): ``gate_up_proj`` (E, N1, H) with N1 = 2I for gated
     activations (I otherwise), ``down_proj`` (E, H, I), and with ``bias=True``
     ``gate_up_proj_bias`` (E, N1), ``down_proj_bias`` (E, H). ``weights_transposed=True`` stores
-    the two weights as (E, H, N1) and (E, I, H) instead.
+    the two weights as (E, H, N1) and (E, I, H) instead. ``fp8_recipe`` runs both grouped GEMMs
+    in FP8 (see :func:`compiled_moe.moe_experts`).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
                  activation: str = "swiglu", gate_up_layout: str = "stacked", bias: bool = False,
                  weights_transposed: bool = False, alpha: float = GPT_OSS_ALPHA,
-                 limit: float = GPT_OSS_LIMIT, device=None, dtype=None):
+                 limit: float = GPT_OSS_LIMIT, fp8_recipe: str | None = None, device=None,
+                 dtype=None):
         super().__init__()
+        self.fp8_recipe = fp8_recipe
         kw = dict(device=device, dtype=dtype)
         n1 = 2 * intermediate_size if activation in GATED_ACTIVATIONS else intermediate_size
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
@@ -93,10 +104,11 @@ class MoEExperts(nn.Module):
             w1, w2 = w1.transpose(-2, -1), w2.transpose(-2, -1)
         return moe_experts(hidden, topk_ids, topk_weights, w1, w2, activation=self.activation,
                            gate_up_layout=self.gate_up_layout, b1=self.gate_up_proj_bias,
-                           b2=self.down_proj_bias, alpha=self.alpha, limit=self.limit)
+                           b2=self.down_proj_bias, alpha=self.alpha, limit=self.limit,
+                           fp8_recipe=self.fp8_recipe)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, activation={self.activation}, "
                 f"gate_up_layout={self.gate_up_layout}, bias={self.gate_up_proj_bias is not None}, "
-                f"weights_transposed={self.weights_transposed}")
+                f"weights_transposed={self.weights_transposed}, fp8_recipe={self.fp8_recipe}")

@@ -366,7 +366,7 @@ def _quantize_tiles(x: Tensor, block_rows: int, block_cols: int, recipe: str
     blocks = _amax_nonfinite_as_inf(padded).view(num_groups, nr, block_rows, nc, bc)
     scale = fp8_scale_from_amax(blocks.amax(dim=(2, 4)), recipe)  # (G, nr, nc)
     full = scale.repeat_interleave(block_rows, 1).repeat_interleave(bc, 2)[:, :rows, :cols]
-    return fp8_quantize_values(xf, full), scale
+    return fp8_quantize_values(xf, full).contiguous(), scale
 
 
 def grouped_quantize(x: Tensor, offs: Tensor | None, recipe: str, rowwise: bool = True,

@@ -1,0 +1,193 @@
+"""FP8 benchmark: our FP8 grouped GEMMs vs torch._scaled_grouped_mm (rowwise) vs bf16, and
+grouped_quantize against copy bandwidth. Same process, same inputs.
+
+Every model shape of DESIGN.md section 6 x {uniform, skewed} x {fc1, fc2}:
+  forward  ours blockwise, ours rowwise, torch._scaled_grouped_mm rowwise, ours bf16
+  dgrad    ours blockwise, ours rowwise, torch._scaled_grouped_mm rowwise, ours bf16
+  wgrad    ours blockwise, ours rowwise, ours bf16, torch._grouped_mm bf16
+GEMM times exclude quantization (operands are quantized once, as a training step reuses them);
+group sizes are rounded to multiples of 16 rows for every contender (routing padding).
+
+    python benchmarks/bench_fp8.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import MODELS, bench, environment, group_counts, write_json  # noqa: E402
+
+import compiled_moe as cm  # noqa: E402
+
+
+def problem(shape, proj):
+    rows = shape.tokens * shape.top_k
+    if proj == "fc1":
+        return rows, shape.hidden, 2 * shape.inter, shape.experts
+    return rows, shape.inter, shape.hidden, shape.experts
+
+
+def padded_offsets(M, G, routing):
+    counts = group_counts(M, G, routing)
+    counts = (counts + 15) // 16 * 16
+    return torch.cumsum(counts, 0).to(torch.int32).cuda(), int(counts.sum())
+
+
+def torch_rowwise(x, w):
+    """x (M, K) -> e4m3 + (M,) scales; w (G, N, K) -> e4m3 + (G, N) scales (torch's layout)."""
+    xs = x.float().abs().amax(1).clamp_min(1e-12) / 448
+    ws = w.float().abs().amax(2).clamp_min(1e-12) / 448
+    xq = (x.float() / xs[:, None]).to(torch.float8_e4m3fn)
+    wq = (w.float() / ws[:, :, None]).to(torch.float8_e4m3fn)
+    return xq, xs, wq, ws
+
+
+def make_fns(M, K, N, G, routing):
+    torch.manual_seed(0)
+    offs, M = padded_offsets(M, G, routing)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16) / math.sqrt(K)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    q = {}
+    for recipe in ("fp8_blockwise", "fp8_rowwise"):
+        xq = cm.grouped_quantize(x, offs, recipe, rowwise=True, columnwise=True)
+        wq = cm.grouped_quantize(w, None, recipe, rowwise=True, columnwise=True)
+        dq = cm.grouped_quantize(dy, offs, recipe, rowwise=True, columnwise=True)
+        q[recipe] = (xq, wq, dq)
+    t_xq, t_xs, t_wq, t_ws = torch_rowwise(x, w)
+    t_dq, t_ds, t_wtq, t_wts = torch_rowwise(dy, w.transpose(1, 2).contiguous())
+
+    def fwd(recipe):
+        xq, wq, _ = q[recipe]
+        return lambda: cm.scaled_grouped_mm(xq[0], wq[0].mT, xq[1], wq[1], offs, recipe=recipe)
+
+    def dgrad(recipe):
+        _, wq, dq = q[recipe]
+        return lambda: cm.scaled_grouped_mm(dq[0], wq[2].mT, dq[1], wq[3], offs, recipe=recipe)
+
+    def wgrad(recipe):
+        xq, _, dq = q[recipe]
+        return lambda: cm.scaled_grouped_mm_wgrad(xq[2], dq[2], xq[3], dq[3], offs, recipe=recipe)
+
+    sgm = torch._scaled_grouped_mm
+    fns = {
+        "forward": {
+            "blockwise": fwd("fp8_blockwise"), "rowwise": fwd("fp8_rowwise"),
+            "torch_rowwise": lambda: sgm(t_xq, t_wq.transpose(1, 2), t_xs, t_ws, offs=offs,
+                                         out_dtype=torch.bfloat16),
+            "bf16": lambda: cm.grouped_mm(x, w.transpose(1, 2), offs),
+        },
+        "dgrad": {
+            "blockwise": dgrad("fp8_blockwise"), "rowwise": dgrad("fp8_rowwise"),
+            "torch_rowwise": lambda: sgm(t_dq, t_wtq.transpose(1, 2), t_ds, t_wts, offs=offs,
+                                         out_dtype=torch.bfloat16),
+            "bf16": lambda: cm.grouped_mm(dy, w, offs),
+        },
+        "wgrad": {
+            "blockwise": wgrad("fp8_blockwise"), "rowwise": wgrad("fp8_rowwise"),
+            "bf16": lambda: cm.grouped_mm_wgrad(x, dy, offs),
+            "torch_bf16": lambda: torch._grouped_mm(x.t(), dy, offs),
+        },
+    }
+    exact = {"forward": fns["forward"]["bf16"], "dgrad": fns["dgrad"]["bf16"],
+             "wgrad": fns["wgrad"]["bf16"]}
+    return M, fns, exact, (x, offs)
+
+
+def check(fns, exact, name):
+    """Every FP8 contender within FP8 error of our bf16 result (catches a wrong layout)."""
+    for pas, group in fns.items():
+        ref = exact[pas]().float()
+        for who, fn in group.items():
+            err = ((fn().float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+            if not err < 0.08:
+                raise AssertionError(f"{name} {pas} {who}: relative error {err:.3e} vs bf16")
+
+
+def quantize_rows():
+    """grouped_quantize GB/s (bytes read + written) against a bf16 copy of the same tensor."""
+    out = []
+    for shape in MODELS:
+        M = shape.tokens * shape.top_k
+        offs, M = padded_offsets(M, shape.experts, "skewed")
+        x = torch.randn(M, shape.hidden, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty_like(x)
+        t_copy = bench(lambda: y.copy_(x))
+        copy_gbs = 4 * x.numel() / t_copy / 1e6
+        for recipe, rowwise, columnwise in (("fp8_blockwise", True, True),
+                                            ("fp8_blockwise", True, False),
+                                            ("mxfp8", True, True), ("fp8_rowwise", True, False)):
+            outs = cm.grouped_quantize(x, offs, recipe, rowwise=rowwise, columnwise=columnwise)
+            nbytes = 2 * x.numel() + sum(t.numel() * t.element_size() for t in outs
+                                         if t is not None)
+            t = bench(lambda: cm.grouped_quantize(x, offs, recipe, rowwise=rowwise,
+                                                  columnwise=columnwise))
+            gbs = nbytes / t / 1e6
+            mode = "row+col" if columnwise else "row"
+            out.append(dict(model=shape.name, M=M, K=shape.hidden, recipe=recipe, mode=mode,
+                            ms=t, gbs=gbs, copy_gbs=copy_gbs, fraction=gbs / copy_gbs))
+            print(f"quantize {shape.name:16s} {recipe:13s} {mode:7s} {t * 1e3:7.1f} us "
+                  f"{gbs:6.0f} GB/s  copy {copy_gbs:6.0f} GB/s  {gbs / copy_gbs:5.2f}",
+                  flush=True)
+    return out
+
+
+def run(args):
+    rows = []
+    for shape in MODELS:
+        if args.models and not any(m.lower() in shape.name.lower() for m in args.models):
+            continue
+        for routing in ("uniform", "skewed"):
+            for proj in ("fc1", "fc2"):
+                M0, K, N, G = problem(shape, proj)
+                M, fns, exact, _ = make_fns(M0, K, N, G, routing)
+                name = f"{shape.name} {routing} {proj}"
+                check(fns, exact, name)
+                for pas, group in fns.items():
+                    times = {who: bench(fn) for who, fn in group.items()}
+                    flops = 2 * M * K * N
+                    tf = {who: flops / t / 1e9 for who, t in times.items()}
+                    peer = times.get("torch_rowwise", times.get("torch_bf16"))
+                    row = dict(model=shape.name, routing=routing, proj=proj, pas=pas,
+                               M=M, K=K, N=N, G=G, ms=times, tflops=tf,
+                               blockwise_vs_peer=peer / times["blockwise"],
+                               rowwise_vs_peer=peer / times["rowwise"],
+                               blockwise_vs_bf16=times["bf16"] / times["blockwise"])
+                    rows.append(row)
+                    print(f"{name:36s} {pas:7s} " + " ".join(
+                        f"{who}={tf[who]:6.0f}" for who in group) +
+                        f"  TFLOP/s | blockwise/peer {row['blockwise_vs_peer']:.2f}x "
+                        f"rowwise/peer {row['rowwise_vs_peer']:.2f}x "
+                        f"blockwise/bf16 {row['blockwise_vs_bf16']:.2f}x", flush=True)
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--json")
+    p.add_argument("--models", nargs="*")
+    p.add_argument("--skip-quantize", action="store_true")
+    args = p.parse_args()
+    rows = run(args)
+    quant = [] if args.skip_quantize else quantize_rows()
+    print("\nsummary (TFLOP/s; ratios are peer time / our time):")
+    print(f"{'case':36s} {'pass':7s} {'blockwise':>9s} {'rowwise':>8s} {'peer':>8s} "
+          f"{'bw/peer':>8s} {'rw/peer':>8s} {'bw/bf16':>8s}")
+    for r in rows:
+        peer = r["tflops"].get("torch_rowwise", r["tflops"].get("torch_bf16"))
+        print(f"{r['model'] + ' ' + r['routing'] + ' ' + r['proj']:36s} {r['pas']:7s} "
+              f"{r['tflops']['blockwise']:9.0f} {r['tflops']['rowwise']:8.0f} {peer:8.0f} "
+              f"{r['blockwise_vs_peer']:8.2f} {r['rowwise_vs_peer']:8.2f} "
+              f"{r['blockwise_vs_bf16']:8.2f}")
+    if args.json:
+        write_json(args.json, {"env": environment(), "gemm": rows, "quantize": quant})
+
+
+if __name__ == "__main__":
+    main()

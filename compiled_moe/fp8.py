@@ -1,0 +1,78 @@
+"""FP8 training of grouped linear layers: quantize, FP8 GEMMs forward, dgrad and wgrad.
+
+``fp8_grouped_mm(a, b, offs, recipe=...)`` is ``grouped_mm`` with FP8 tensor-core math: the
+inputs stay in bf16/fp16/fp32 (master weights too), every GEMM of forward and backward runs on
+e4m3 operands quantized in one launch per tensor, and gradients come back in the inputs'
+dtypes. Forward quantizes the activation both ways (rowwise for this GEMM, columnwise for the
+weight gradient) and keeps only the columnwise copy for backward, one byte per element.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from compiled_moe.reference import FP8_RECIPES, check_recipe, expand_groups
+
+
+def _quantize(x, offs, recipe, rowwise, columnwise):
+    return torch.ops.compiled_moe.grouped_quantize(x, offs, recipe, rowwise, columnwise)
+
+
+class _FP8GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, offs, recipe):
+        need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        a_q, a_s, a_col, a_col_s = _quantize(a, offs, recipe, True, need_b)
+        # b (G, K, N) is usually the transposed view of a (G, N, K) weight: b.mT is that weight.
+        w_q, w_s, w_col, w_col_s = _quantize(b.mT, None, recipe, True, need_a)
+        out = torch.ops.compiled_moe.scaled_grouped_mm(a_q, w_q.mT, a_s, w_s, offs, recipe,
+                                                       a.dtype)
+        ctx.save_for_backward(a_col, a_col_s, w_col, w_col_s, offs)
+        ctx.recipe, ctx.a_dtype, ctx.b_dtype = recipe, a.dtype, b.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        a_col, a_col_s, w_col, w_col_s, offs = ctx.saved_tensors
+        need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g_q, g_s, g_col, g_col_s = _quantize(grad.to(ctx.a_dtype), offs, ctx.recipe, need_a,
+                                             need_b)
+        grad_a = grad_b = None
+        if need_a:
+            # dgrad: grad (M, N) @ W (N, K); w_col (G, K, N) is W's columnwise data.
+            grad_a = torch.ops.compiled_moe.scaled_grouped_mm(g_q, w_col.mT, g_s, w_col_s, offs,
+                                                              ctx.recipe, ctx.a_dtype)
+        if need_b:
+            grad_b = torch.ops.compiled_moe.scaled_grouped_mm_wgrad(
+                a_col, g_col, a_col_s, g_col_s, offs, ctx.recipe, ctx.b_dtype)
+        return grad_a, grad_b, None, None
+
+
+def fp8_grouped_mm(a: Tensor, b: Tensor, offs: Tensor, *, recipe: str = "fp8_blockwise",
+                   bias: Tensor | None = None) -> Tensor:
+    """``grouped_mm`` with every GEMM of forward and backward in FP8 (e4m3).
+
+    Args:
+        a: (M, K) bf16/fp16/fp32 activations, K a multiple of 16.
+        b: (G, K, N), same dtype; usually the ``transpose(-2, -1)`` view of a (G, N, K)
+            nn.Linear-style weight (the master weight, kept in its own dtype).
+        offs: int32 (G,), cumulative end row of each group. Group starts that are multiples of
+            16 rows let the weight-gradient kernel read through TMA (route with
+            ``pad_multiple=16``).
+        recipe: ``fp8_blockwise`` (1x128 activations and gradients, 128x128 weights: the
+            DeepSeek-V3 recipe), ``fp8_rowwise`` or ``mxfp8`` (1x32 E8M0 blocks).
+        bias: optional (G, N), added in a's dtype after the FP8 product.
+
+    Returns:
+        (M, N) in a's dtype; rows past offs[-1] are zero (plus nothing: bias is per group).
+        Differentiable in a, b and bias.
+    """
+    check_recipe(recipe)
+    out = _FP8GroupedMM.apply(a, b, offs, recipe)
+    if bias is not None:
+        out = out + expand_groups(bias, offs, a.shape[0]).to(out.dtype)
+    return out
+
+
+__all__ = ["FP8_RECIPES", "fp8_grouped_mm"]

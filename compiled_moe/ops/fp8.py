@@ -1,0 +1,241 @@
+"""FP8 ops: schema, fake and device dispatch, side by side.
+
+torch.ops.compiled_moe.grouped_quantize         e4m3 data + scales of every group, one launch
+                                                per direction (one for both on 2-D block recipes)
+torch.ops.compiled_moe.scaled_grouped_mm        out = a @ b[g] per row group, FP8 operands
+torch.ops.compiled_moe.scaled_grouped_mm_wgrad  out[g] = a_g^T @ d_g from columnwise FP8 data
+
+``triton_op``s: Triton kernels on CUDA, the reference elsewhere. Layouts of data and scales are
+documented in ``reference.grouped_quantize``. None of them is differentiable: training goes
+through ``compiled_moe.fp8.fp8_grouped_mm``, whose autograd quantizes the gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from compiled_moe import reference
+from compiled_moe.ops._dispatch import (
+    OP_DTYPES,
+    check_offs,
+    check_same_device,
+    check_tensor,
+    use_kernel,
+)
+from compiled_moe.reference import FP8_DTYPE, check_recipe, fp8_block, fp8_column_slots
+
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _kernels():
+    from compiled_moe.kernels import quantize, scaled_grouped_mm  # Triton loads only when needed
+    return quantize, scaled_grouped_mm
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _scale_dtype(recipe: str) -> torch.dtype:
+    return torch.uint8 if recipe == "mxfp8" else torch.float32
+
+
+def _blocks(cols, block: int):
+    return 1 if block == 0 else _cdiv(cols, block)
+
+
+# ---------------------------------------------------------------------------- grouped_quantize
+
+
+def _check_quantize(x, offs, recipe, rowwise, columnwise) -> None:
+    check_recipe(recipe)
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x must be 2-D (M, K) activations or 3-D (G, N, K) weights, "
+                         f"got shape {tuple(x.shape)}")
+    check_tensor("x", x, x.dim(), OP_DTYPES)
+    if not (rowwise or columnwise):
+        raise ValueError("ask for rowwise and/or columnwise output")
+    if x.dim() == 3:
+        if offs is not None:
+            raise ValueError("offs must be None for 3-D x (its groups are the leading dimension)")
+        return
+    if offs is None:
+        if columnwise:
+            raise ValueError("offs is required for columnwise quantization of 2-D x: "
+                             "columnwise blocks stop at group ends")
+        return
+    check_offs(offs)
+    check_same_device("x", x, offs=offs)
+
+
+def _quantize_outputs(x, offs, recipe, rowwise, columnwise):
+    """Empty outputs of the right shapes (and strides) for the kernels and the fake."""
+    sdt = _scale_dtype(recipe)
+    none8 = x.new_empty((0,), dtype=FP8_DTYPE)
+    none_s = x.new_empty((0,), dtype=sdt)
+    data = scale = col_data = col_scale = None
+    if x.dim() == 3:
+        g, n, k = x.shape
+        br, bc = fp8_block(recipe, weight=True)
+        if rowwise:
+            data = x.new_empty((g, n, k), dtype=FP8_DTYPE)
+            scale = x.new_empty((g, _cdiv(n, br), _blocks(k, bc)), dtype=sdt)
+        if columnwise:
+            col_data = x.new_empty((g, k, n), dtype=FP8_DTYPE)
+            col_scale = x.new_empty((g, _cdiv(k, br), _blocks(n, bc)), dtype=sdt)
+    else:
+        m, k = x.shape
+        _, bc = fp8_block(recipe)
+        if rowwise:
+            data = x.new_empty((m, k), dtype=FP8_DTYPE)
+            scale = x.new_empty((m, _blocks(k, bc)), dtype=sdt)
+        if columnwise:
+            # Rows padded to 16 bytes: the weight-gradient kernel reads it through TMA.
+            col_data = x.new_empty_strided((k, m), (_cdiv(m, 16) * 16, 1), dtype=FP8_DTYPE)
+            col_scale = x.new_empty((k, fp8_column_slots(m, offs.shape[0], recipe)), dtype=sdt)
+    return (none8 if data is None else data, none_s if scale is None else scale,
+            none8 if col_data is None else col_data, none_s if col_scale is None else col_scale)
+
+
+@torch.library.triton_op("compiled_moe::grouped_quantize", mutates_args=())
+def _grouped_quantize(x: Tensor, offs: Optional[Tensor], recipe: str, rowwise: bool = True,
+                      columnwise: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_quantize(x, offs, recipe, rowwise, columnwise)
+    outs = _quantize_outputs(x, offs, recipe, rowwise, columnwise)
+    if not use_kernel(x):
+        # Copied into the kernels' layouts (padded col_data rows), so every path has one layout.
+        for out, ref in zip(outs, reference.grouped_quantize(x, offs, recipe, rowwise, columnwise)):
+            out.copy_(ref)
+        return outs
+    _quantize_into(x, offs, recipe, rowwise, columnwise, outs)
+    return outs
+
+
+def _quantize_into(x, offs, recipe, rowwise, columnwise, outs) -> None:
+    """The kernel launches of grouped_quantize, writing into outs (from _quantize_outputs)."""
+    data, scale, col_data, col_scale = outs
+    quantize, _ = _kernels()
+    if x.dim() == 3:
+        if rowwise:
+            quantize.quantize_tiles(x, data, scale, recipe, weight=True)
+        if columnwise:
+            quantize.quantize_tiles(x.mT, col_data, col_scale, recipe, weight=True)
+        return
+    fused = columnwise and rowwise and recipe != "fp8_rowwise"  # x is read once for both
+    if rowwise and not fused:
+        quantize.quantize_tiles(x, data, scale, recipe, weight=False)
+    if columnwise:
+        quantize.quantize_group_columns(x, offs, col_data, col_scale,
+                                        data if fused else None, scale if fused else None, recipe)
+
+
+@_grouped_quantize.register_fake
+def _(x, offs, recipe, rowwise=True, columnwise=False):
+    _check_quantize(x, offs, recipe, rowwise, columnwise)
+    return _quantize_outputs(x, offs, recipe, rowwise, columnwise)
+
+
+# ---------------------------------------------------------------------------- scaled_grouped_mm
+
+
+def _check_fp8(name: str, t, ndim: int) -> None:
+    check_tensor(name, t, ndim, dtypes=(FP8_DTYPE,))
+
+
+def _check_scale(name: str, scale, shape: tuple, recipe: str) -> None:
+    check_tensor(name, scale, len(shape), dtypes=(_scale_dtype(recipe),))
+    if tuple(scale.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} for recipe {recipe!r}, "
+                         f"got {tuple(scale.shape)}")
+
+
+def _check_out(out_dtype) -> None:
+    if out_dtype is not None and out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {OUT_DTYPES} or None, got {out_dtype}")
+
+
+def _check_scaled_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype) -> None:
+    check_recipe(recipe)
+    _check_fp8("a", a, 2)
+    _check_fp8("b", b, 3)
+    check_offs(offs, b.shape[0])
+    check_same_device("a", a, b=b, a_scale=a_scale, b_scale=b_scale, offs=offs)
+    m, k = a.shape
+    g, kb, n = b.shape
+    if k != kb:
+        raise ValueError(f"a has K={k} columns but b is (G, K, N) = {tuple(b.shape)}; "
+                         f"K must match")
+    if a.stride(1) != 1:
+        raise ValueError("a must be row-major (a.stride(1) == 1): FP8 tensor cores read it K-major")
+    if b.stride(1) != 1:
+        raise ValueError("b must be K-major (b.stride(1) == 1): pass the rowwise data of a "
+                         "(G, N, K) weight as data.transpose(-2, -1)")
+    br, bc = fp8_block(recipe, weight=True)
+    _, ac = fp8_block(recipe)
+    _check_scale("a_scale", a_scale, (m, _blocks(k, ac)), recipe)
+    _check_scale("b_scale", b_scale, (g, _cdiv(n, br), _blocks(k, bc)), recipe)
+    _check_out(out_dtype)
+
+
+@torch.library.triton_op("compiled_moe::scaled_grouped_mm", mutates_args=())
+def _scaled_grouped_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, offs: Tensor,
+                       recipe: str, out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    _check_scaled_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype)
+    if not use_kernel(a):
+        return reference.scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype)
+    out = a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or torch.bfloat16)
+    _kernels()[1].scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe, out)
+    return out
+
+
+@_scaled_grouped_mm.register_fake
+def _(a, b, a_scale, b_scale, offs, recipe, out_dtype=None):
+    _check_scaled_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype)
+    return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or torch.bfloat16)
+
+
+def _check_scaled_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype) -> None:
+    check_recipe(recipe)
+    _check_fp8("a_t", a_t, 2)
+    _check_fp8("d_t", d_t, 2)
+    check_offs(offs)
+    check_same_device("a_t", a_t, d_t=d_t, a_scale=a_scale, d_scale=d_scale, offs=offs)
+    k, m = a_t.shape
+    n, md = d_t.shape
+    if m != md:
+        raise ValueError(f"a_t is (K, M) = {tuple(a_t.shape)} but d_t is (N, M) = "
+                         f"{tuple(d_t.shape)}; M must match")
+    for name, t in (("a_t", a_t), ("d_t", d_t)):
+        if t.stride(1) != 1:
+            raise ValueError(f"{name} must be columnwise data of grouped_quantize "
+                             f"({name}.stride(1) == 1)")
+    slots = fp8_column_slots(m, offs.shape[0], recipe)
+    _check_scale("a_scale", a_scale, (k, slots), recipe)
+    _check_scale("d_scale", d_scale, (n, slots), recipe)
+    _check_out(out_dtype)
+
+
+@torch.library.triton_op("compiled_moe::scaled_grouped_mm_wgrad", mutates_args=())
+def _scaled_grouped_mm_wgrad(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale: Tensor,
+                             offs: Tensor, recipe: str,
+                             out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    _check_scaled_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype)
+    if not use_kernel(a_t):
+        return reference.scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe,
+                                                 out_dtype)
+    out = a_t.new_empty((offs.shape[0], a_t.shape[0], d_t.shape[0]),
+                        dtype=out_dtype or torch.bfloat16)
+    _kernels()[1].scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out)
+    return out
+
+
+@_scaled_grouped_mm_wgrad.register_fake
+def _(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype=None):
+    _check_scaled_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype)
+    return a_t.new_empty((offs.shape[0], a_t.shape[0], d_t.shape[0]),
+                         dtype=out_dtype or torch.bfloat16)

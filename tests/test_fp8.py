@@ -1,0 +1,463 @@
+"""CPU tier of the FP8 ops: reference quantizers against a block-by-block oracle, the Triton
+kernels under the interpreter against the reference, GEMMs against float64, autograd, opcheck,
+torch.compile and bad inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import compiled_moe as cm
+from compiled_moe import reference as R
+from helpers import loop_bounds, random_offsets
+
+RECIPES = R.FP8_RECIPES
+
+
+# ------------------------------------------------------------------ independent oracle
+
+
+def oracle_block(values: torch.Tensor, recipe: str):
+    """(scale, data) of one block by the documented rule, with Python floats for the exponent."""
+    v = values.double().flatten()
+    finite = bool(torch.isfinite(v).all())
+    amax = v.abs().max().item() if v.numel() else 0.0
+    if recipe == "mxfp8":
+        if not finite:
+            return 255, torch.where(torch.isfinite(v), 0.0, float("nan"))
+        amax32 = float(torch.tensor(amax, dtype=torch.float32))
+        e = -127
+        while 448.0 * 2.0 ** e < amax32 and e < 127:  # the smallest power of two that fits
+            e += 1
+        q = (v * 2.0 ** -e).clamp(-448, 448)
+        return e + 127, q
+    if not finite:
+        return float("inf"), torch.where(torch.isfinite(v), 0.0, float("nan"))
+    amax32 = torch.tensor(amax, dtype=torch.float32)
+    scale = torch.tensor(1.0) if amax == 0 else amax32 / torch.tensor(448.0)
+    q = (v.float() / scale).clamp(-448, 448)
+    return scale.item(), q
+
+
+def oracle_rows(x2: torch.Tensor, block_cols: int, recipe: str):
+    """Rowwise quantization of a 2-D tensor block by block: (data fp64 values, scale list)."""
+    rows, cols = x2.shape
+    bc = cols if block_cols == 0 else block_cols
+    data = torch.empty(rows, cols, dtype=torch.float64)
+    scales = []
+    for r in range(rows):
+        row_scales = []
+        for c0 in range(0, max(cols, 1), max(bc, 1)):
+            s, q = oracle_block(x2[r, c0:c0 + bc], recipe)
+            data[r, c0:c0 + bc] = q.to(R.FP8_DTYPE).double()
+            row_scales.append(s)
+        scales.append(row_scales)
+    return data, scales
+
+
+def as_values(scale: torch.Tensor):
+    return scale.tolist() if scale.dtype == torch.uint8 else scale.double().tolist()
+
+
+# ------------------------------------------------------------------ reference vs oracle
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_reference_rowwise_matches_oracle(recipe):
+    torch.manual_seed(0)
+    x = torch.randn(9, 200, dtype=torch.float32) * torch.logspace(-4, 4, 9)[:, None]
+    x[3] = 0  # a zero row
+    data, scale, _, _ = R.grouped_quantize(x, None, recipe, True, False)
+    want, want_scales = oracle_rows(x, R.fp8_block(recipe)[1], recipe)
+    assert as_values(scale) == want_scales
+    torch.testing.assert_close(data.double(), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_reference_columnwise_matches_oracle(recipe):
+    torch.manual_seed(1)
+    M, K = 300, 24
+    offs = torch.tensor([40, 40, 200, 290], dtype=torch.int32)  # an empty group, 10 tail rows
+    # neighbouring groups six decades apart: each block must get its own scale
+    x = torch.randn(M, K) * torch.where(torch.arange(M) < 40, 1e3, 1e-3)[:, None]
+    _, _, col, col_scale = R.grouped_quantize(x, offs, recipe, False, True)
+    assert col.shape == (K, M)
+    block = R.fp8_column_block(recipe)
+    slot = 0
+    bounds = list(loop_bounds(offs, M)) + [(int(offs[-1]), M)]
+    for s, e in bounds:
+        step = (e - s) if block == 0 else block
+        starts = [s] if block == 0 else range(s, e, step)
+        for r0 in starts:
+            r1 = min(e, r0 + max(step, 1))
+            for k in range(K):
+                sc, q = oracle_block(x[r0:r1, k], recipe)
+                got = col_scale[k, slot]
+                assert (got.item() if recipe == "mxfp8" else got.double().item()) == sc
+                torch.testing.assert_close(col[k, r0:r1].double(), q.to(R.FP8_DTYPE).double(),
+                                           rtol=0, atol=0)
+            slot += 1
+    # unused slots are zero blocks
+    zero = R.fp8_scale_from_amax(torch.zeros(()), recipe)
+    assert (col_scale[:, slot:] == zero).all()
+
+
+def test_reference_weight_blocks_128x128():
+    torch.manual_seed(2)
+    w = torch.randn(2, 200, 136)
+    data, scale, col, col_scale = R.grouped_quantize(w, None, "fp8_blockwise", True, True)
+    assert scale.shape == (2, 2, 2) and col_scale.shape == (2, 2, 2)
+    for g in range(2):
+        for i in range(2):
+            for j in range(2):
+                blk = w[g, 128 * i:128 * (i + 1), 128 * j:128 * (j + 1)]
+                s, q = oracle_block(blk, "fp8_blockwise")
+                assert scale[g, i, j].item() == s == col_scale[g, j, i].item()
+                torch.testing.assert_close(
+                    data[g, 128 * i:128 * (i + 1), 128 * j:128 * (j + 1)].double(),
+                    q.to(R.FP8_DTYPE).double().view_as(blk), rtol=0, atol=0)
+    torch.testing.assert_close(col.double(), data.mT.double(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_non_finite_blocks_are_reported(recipe):
+    x = torch.randn(4, 256)
+    x[1, 5] = float("inf")
+    x[2, 200] = float("nan")
+    data, scale, _, _ = R.grouped_quantize(x, None, recipe, True, False)
+    deq = R.dequantize_rows(data, scale, recipe)
+    assert torch.isfinite(deq[0]).all() and torch.isfinite(deq[3]).all()
+    assert torch.isnan(deq[1, 5]) and torch.isnan(deq[2, 200])
+    bad = R.E8M0_NAN if recipe == "mxfp8" else float("inf")
+    assert (scale[1] == bad).any() and (scale[2] == bad).any()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_zero_and_extreme_blocks(recipe):
+    x = torch.zeros(3, 128)
+    x[1] = 3e38  # near fp32 max
+    x[2] = 1e-38
+    data, scale, _, _ = R.grouped_quantize(x, None, recipe, True, False)
+    s = R.scale_to_float(scale)
+    assert torch.isfinite(s).all() and (s > 0).all()
+    assert (data[0].float() == 0).all()
+    deq = R.dequantize_rows(data, scale, recipe)
+    torch.testing.assert_close(deq[1], x[1], rtol=0.07, atol=0)
+    if recipe == "mxfp8":  # power-of-two scales reach 2^-127: tiny values survive
+        torch.testing.assert_close(deq[2], x[2], rtol=0.07, atol=0)
+
+
+# ------------------------------------------------------------------ kernels under the interpreter
+
+
+def _require_interpreter():
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton interpreter tests run in the CPU tier")
+    pytest.importorskip("triton")
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.uint8:
+        return t.fill_(0xAB)
+    if t.dtype == R.FP8_DTYPE:
+        t.view(torch.uint8).fill_(0x7F)  # e4m3 NaN
+        return t
+    return t.fill_(float("nan"))
+
+
+def _run_quantize_kernel(x, offs, recipe, rowwise, columnwise):
+    """The op's launch sequence on poisoned outputs (so an unwritten element shows)."""
+    from compiled_moe.ops import fp8 as fp8_ops
+
+    outs = fp8_ops._quantize_outputs(x, offs, recipe, rowwise, columnwise)
+    for t in outs:
+        _poison(t)
+    fp8_ops._quantize_into(x, offs, recipe, rowwise, columnwise, outs)
+    return outs
+
+
+def _assert_same_quantization(got, want):
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        if g.dtype == torch.uint8:
+            assert torch.equal(g, w)
+        else:  # fp8 data compared as values (+0 and -0 are the same number)
+            torch.testing.assert_close(g.float(), w.float(), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("directions", [(True, False), (False, True), (True, True)])
+def test_kernel_quantize_2d_interpreter(recipe, directions):
+    _require_interpreter()
+    gen = torch.Generator().manual_seed(3)
+    M, K = 170, 200  # K not a multiple of 128
+    x = (torch.randn(M, K, generator=gen) * torch.logspace(-3, 3, M)[:, None]).half()
+    x[5, 7] = float("nan")
+    offs = random_offsets(M, 5, generator=gen, empty_groups=1, tail=9)
+    got = _run_quantize_kernel(x, offs, recipe, *directions)
+    _assert_same_quantization(got, R.grouped_quantize(x, offs, recipe, *directions))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_kernel_quantize_weights_interpreter(recipe):
+    _require_interpreter()
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(2, 136, 160, generator=gen, dtype=torch.float32)  # N, K not multiples of 128
+    got = _run_quantize_kernel(w.mT, None, recipe, True, True)  # a strided view
+    _assert_same_quantization(got, R.grouped_quantize(w.mT, None, recipe, True, True))
+
+
+def _fp8_operands(M, K, N, G, recipe, gen, tail=5):
+    x = torch.randn(M, K, generator=gen)
+    w = torch.randn(G, N, K, generator=gen) / K ** 0.5
+    d = torch.randn(M, N, generator=gen)
+    offs = random_offsets(M, G, generator=gen, empty_groups=1, tail=tail)
+    xq = R.grouped_quantize(x, offs, recipe, True, True)
+    wq = R.grouped_quantize(w, None, recipe, True, True)
+    dq = R.grouped_quantize(d, offs, recipe, True, True)
+    return x, w, offs, xq, wq, dq
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_kernel_scaled_grouped_mm_interpreter(recipe):
+    _require_interpreter()
+    from compiled_moe.kernels import scaled_grouped_mm as kernels
+
+    gen = torch.Generator().manual_seed(5)
+    M, K, N, G = 90, 256, 40, 4
+    x, w, offs, xq, wq, dq = _fp8_operands(M, K, N, G, recipe, gen)
+    out = torch.full((M, N), float("nan"))
+    kernels.scaled_grouped_mm(xq[0], wq[0].mT, xq[1], wq[1], offs, recipe, out)
+    want = R.scaled_grouped_mm(xq[0], wq[0].mT, xq[1], wq[1], offs, recipe, torch.float32)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+    exact = R.grouped_mm(x.double(), w.mT.double(), offs)
+    assert (out.double() - exact).norm() / exact.norm() < 0.06  # FP8 error, not a wrong result
+    # dgrad: grad (M, N) @ W (N, K) from the weight's columnwise data
+    out = torch.full((M, K), float("nan"))
+    kernels.scaled_grouped_mm(dq[0], wq[2].mT, dq[1], wq[3], offs, recipe, out)
+    want = R.scaled_grouped_mm(dq[0], wq[2].mT, dq[1], wq[3], offs, recipe, torch.float32)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("aligned", [True, False])
+def test_kernel_scaled_wgrad_interpreter(recipe, aligned):
+    _require_interpreter()
+    from compiled_moe.kernels import scaled_grouped_mm as kernels
+
+    gen = torch.Generator().manual_seed(6)
+    M, K, N, G = 320, 24, 40, 3
+    x = torch.randn(M, K, generator=gen)
+    d = torch.randn(M, N, generator=gen)
+    # 16-row aligned group starts take the TMA path, others the pointer path
+    offs = torch.tensor([0, 144, 304] if aligned else [0, 137, 301], dtype=torch.int32)
+    xq = cm.grouped_quantize(x, offs, recipe, rowwise=False, columnwise=True)
+    dq = cm.grouped_quantize(d, offs, recipe, rowwise=False, columnwise=True)
+    out = torch.full((G, K, N), float("nan"))
+    kernels.scaled_grouped_mm_wgrad(xq[2], dq[2], xq[3], dq[3], offs, recipe, out)
+    want = R.scaled_grouped_mm_wgrad(xq[2], dq[2], xq[3], dq[3], offs, recipe, torch.float32)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+    exact = R.grouped_mm_wgrad(x.double(), d.double(), offs)
+    assert out[0].abs().max() == 0  # the empty group
+    assert (out.double() - exact).norm() / exact.norm() < 0.06
+
+
+def test_kernel_fp8_grouped_mm_autograd_interpreter():
+    _require_interpreter()
+    from compiled_moe.ops._dispatch import kernels_on_cpu
+
+    gen = torch.Generator().manual_seed(7)
+    M, K, N, G = 64, 128, 32, 3
+    x = torch.randn(M, K, generator=gen).half().requires_grad_(True)
+    w = (torch.randn(G, N, K, generator=gen) / K ** 0.5).half().requires_grad_(True)
+    offs = torch.tensor([16, 16, 48], dtype=torch.int32)
+    with kernels_on_cpu():
+        y = cm.fp8_grouped_mm(x, w.mT, offs, recipe="fp8_blockwise")
+        y.float().square().sum().backward()
+    got = (y.detach(), x.grad, w.grad)
+    x.grad = w.grad = None
+    y_ref = cm.fp8_grouped_mm(x, w.mT, offs, recipe="fp8_blockwise")  # reference path
+    y_ref.float().square().sum().backward()
+    for g, want in zip(got, (y_ref.detach(), x.grad, w.grad)):
+        torch.testing.assert_close(g.float(), want.float(), rtol=2e-3, atol=2e-3)
+
+
+# ------------------------------------------------------------------ training path
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_grouped_mm_gradients_close_to_exact(recipe):
+    gen = torch.Generator().manual_seed(8)
+    M, K, N, G = 200, 256, 64, 4
+    x = torch.randn(M, K, generator=gen, requires_grad=True)
+    w = (torch.randn(G, N, K, generator=gen) / K ** 0.5).requires_grad_(True)
+    bias = torch.randn(G, N, generator=gen, requires_grad=True)
+    offs = random_offsets(M, G, generator=gen, empty_groups=1, tail=3)
+    grad = torch.randn(M, N, generator=gen)
+    y = cm.fp8_grouped_mm(x, w.mT, offs, recipe=recipe, bias=bias)
+    y.backward(grad)
+    got = (y.detach(), x.grad, w.grad, bias.grad)
+    for t in (x, w, bias):
+        t.grad = None
+    y64 = cm.grouped_mm(x.double(), w.double().mT, offs, bias=bias.double())
+    y64.backward(grad.double())
+    for g, want in zip(got, (y64.detach(), x.grad, w.grad, bias.grad)):
+        rel = (g.double() - want).norm() / want.norm()
+        assert rel < 0.06, rel
+    assert (got[0][int(offs[-1]):] == 0).all()
+
+
+def test_moe_experts_fp8_close_to_high_precision():
+    gen = torch.Generator().manual_seed(9)
+    T, H, I, E, k = 48, 128, 64, 4, 2
+    hidden = torch.randn(T, H, generator=gen)
+    w1 = torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5
+    w2 = torch.randn(E, H, I, generator=gen) / I ** 0.5
+    ids = torch.randint(0, E, (T, k), generator=gen)
+    weights = torch.rand(T, k, generator=gen)
+    want = cm.moe_experts(hidden.double(), ids, weights.double(), w1.double(), w2.double())
+    for recipe in RECIPES:
+        got = cm.moe_experts(hidden, ids, weights, w1, w2, fp8_recipe=recipe)
+        assert (got.double() - want).norm() / want.norm() < 0.08
+
+
+def test_modules_take_a_recipe():
+    lin = cm.GroupedLinear(3, 128, 32, fp8_recipe="fp8_rowwise")
+    x = torch.randn(40, 128, requires_grad=True)
+    offs = torch.tensor([10, 25, 40], dtype=torch.int32)
+    y = lin(x, offs)
+    y.sum().backward()
+    exact = cm.grouped_mm(x.detach().double(), lin.weight.detach().double().mT, offs,
+                          bias=lin.bias.detach().double())
+    assert (y.detach().double() - exact).norm() / exact.norm() < 0.06
+    assert lin.weight.grad is not None and "fp8_recipe=fp8_rowwise" in repr(lin)
+    moe = cm.MoEExperts(4, 128, 32, fp8_recipe="mxfp8")
+    out = moe(torch.randn(8, 128), torch.randint(0, 4, (8, 2)), torch.rand(8, 2))
+    assert out.shape == (8, 128) and torch.isfinite(out).all()
+
+
+# ------------------------------------------------------------------ opcheck, compile
+
+
+def _opcheck_samples():
+    gen = torch.Generator().manual_seed(10)
+    M, K, N, G = 40, 128, 32, 3
+    x = torch.randn(M, K, generator=gen)
+    offs = torch.tensor([10, 10, 35], dtype=torch.int32)
+    samples = []
+    for recipe in RECIPES:
+        xq = R.grouped_quantize(x, offs, recipe, True, True)
+        wq = R.grouped_quantize(torch.randn(G, N, K, generator=gen), None, recipe, True, True)
+        dq = R.grouped_quantize(torch.randn(M, N, generator=gen), offs, recipe, False, True)
+        samples += [
+            (torch.ops.compiled_moe.grouped_quantize.default, (x, offs, recipe, True, True)),
+            (torch.ops.compiled_moe.grouped_quantize.default,
+             (torch.randn(G, N, K, generator=gen), None, recipe, True, True)),
+            (torch.ops.compiled_moe.scaled_grouped_mm.default,
+             (xq[0], wq[0].mT, xq[1], wq[1], offs, recipe, None)),
+            (torch.ops.compiled_moe.scaled_grouped_mm_wgrad.default,
+             (xq[2], dq[2], xq[3], dq[3], offs, recipe, torch.float32)),
+        ]
+    return samples
+
+
+@pytest.mark.parametrize("sample", range(12))
+def test_opcheck(sample):
+    op, args = _opcheck_samples()[sample]
+    utils = ["test_schema", "test_autograd_registration", "test_faketensor",
+             "test_aot_dispatch_dynamic"]
+    if args[0].dtype == R.FP8_DTYPE:
+        utils.remove("test_schema")  # SchemaCheckMode compares inputs with allclose: no CPU fp8
+    torch.library.opcheck(op, args, test_utils=utils)
+
+
+def test_compile_dynamic_one_compile_fp8_training_step():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    K, N, G = 128, 32, 4
+    w = (torch.randn(G, N, K) / K ** 0.5).requires_grad_(True)
+
+    def step(x, offs):
+        return cm.fp8_grouped_mm(x, w.mT, offs, recipe="fp8_blockwise").square().sum()
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    for M in (23, 40, 57):
+        x = torch.randn(M, K, requires_grad=True)
+        offs = random_offsets(M, G, empty_groups=1, tail=2)
+        got = compiled(x, offs)
+        got.backward()
+        grads = (x.grad.clone(), w.grad.clone())
+        x.grad = w.grad = None
+        want = step(x, offs)
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(grads, (x.grad, w.grad), rtol=1e-4, atol=1e-4)
+        x.grad = w.grad = None
+    assert counter.frame_count == 1
+
+
+# ------------------------------------------------------------------ bad inputs
+
+
+def test_quantize_bad_inputs():
+    x = torch.randn(8, 32)
+    offs = torch.tensor([4, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="recipe"):
+        cm.grouped_quantize(x, offs, "fp4")
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        cm.grouped_quantize(torch.randn(8), offs)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        cm.grouped_quantize(x.int(), offs)
+    with pytest.raises(ValueError, match="offs is required"):
+        cm.grouped_quantize(x, None, columnwise=True)
+    with pytest.raises(ValueError, match="offs must be None"):
+        cm.grouped_quantize(torch.randn(2, 8, 32), offs)
+    with pytest.raises(TypeError, match="offs must be int32"):
+        cm.grouped_quantize(x, offs.long(), columnwise=True)
+    with pytest.raises(ValueError, match="rowwise and/or columnwise"):
+        cm.grouped_quantize(x, offs, rowwise=False)
+
+
+def test_scaled_mm_bad_inputs():
+    M, K, N, G = 16, 256, 32, 2
+    offs = torch.tensor([8, 16], dtype=torch.int32)
+    xq = cm.grouped_quantize(torch.randn(M, K), offs, "fp8_blockwise", columnwise=True)
+    wq = cm.grouped_quantize(torch.randn(G, N, K), None, "fp8_blockwise")
+    ok = dict(a=xq[0], b=wq[0].mT, a_scale=xq[1], b_scale=wq[1], offs=offs)
+
+    def call(**kw):
+        args = {**ok, **kw}
+        return cm.scaled_grouped_mm(args["a"], args["b"], args["a_scale"], args["b_scale"],
+                                    args["offs"], recipe=kw.get("recipe", "fp8_blockwise"))
+
+    with pytest.raises(TypeError, match="a must have dtype"):
+        call(a=torch.randn(M, K))
+    with pytest.raises(ValueError, match="b must be K-major"):
+        call(b=wq[0].mT.contiguous())
+    with pytest.raises(ValueError, match="a_scale must have shape"):
+        call(a_scale=xq[1][:, :1].contiguous())
+    with pytest.raises(ValueError, match="K must match"):
+        call(a=xq[0][:, :128])
+    with pytest.raises(TypeError, match="a_scale must have dtype in \(uint8\)"):
+        call(recipe="mxfp8")
+    with pytest.raises(ValueError, match="offs must have shape"):
+        call(offs=offs[:1])
+    with pytest.raises(ValueError, match="M must match"):
+        cm.scaled_grouped_mm_wgrad(xq[2], xq[2][:, :8], xq[3], xq[3], offs)
+    with pytest.raises(ValueError, match="recipe"):
+        cm.fp8_grouped_mm(torch.randn(M, K), torch.randn(G, K, N), offs, recipe="int8")
+
+
+def test_e8m0_exponent_rule():
+    """Round-up exponents: amax in (448 * 2^(e-1), 448 * 2^e] gets 2^e; 448 itself gets 2^0."""
+    amax = torch.tensor([448.0, 448.0001, 224.0, 1.0, 0.0, math.inf, 3.0e38])
+    byte = R.fp8_scale_from_amax(amax, "mxfp8").tolist()
+    assert byte[:4] == [127, 128, 126, 127 - 8]
+    assert byte[4] == 0 and byte[5] == R.E8M0_NAN
+    assert 448 * 2.0 ** (byte[6] - 127) >= 3.0e38 > 448 * 2.0 ** (byte[6] - 128)
