@@ -323,7 +323,9 @@ def fp8_scale_from_amax(amax: Tensor, recipe: str) -> Tensor:
         exp = exp - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
         byte = (exp.clamp(-127, 127) + 127).to(torch.uint8)
         return torch.where(torch.isfinite(amax), byte, E8M0_NAN).to(torch.uint8)
-    scale = amax / FP8_MAX
+    # A tensor divisor: torch's CUDA division by a Python scalar multiplies by its reciprocal,
+    # which is not the correctly rounded quotient the kernels compute.
+    scale = amax / torch.full_like(amax, FP8_MAX)
     return torch.where(amax == 0, 1.0, scale)
 
 

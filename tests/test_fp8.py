@@ -202,6 +202,19 @@ def test_kernel_quantize_2d_interpreter(recipe, directions):
     _assert_same_quantization(got, R.grouped_quantize(x, offs, recipe, *directions))
 
 
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "mxfp8"])
+def test_kernel_quantize_fused_row_and_column_interpreter(recipe, monkeypatch):
+    _require_interpreter()
+    from compiled_moe.ops import fp8 as fp8_ops
+
+    monkeypatch.setattr(fp8_ops, "FUSE_ROW_AND_COLUMN", True)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(150, 256, generator=gen).half()
+    offs = random_offsets(150, 4, generator=gen, empty_groups=1, tail=6)
+    got = _run_quantize_kernel(x, offs, recipe, True, True)
+    _assert_same_quantization(got, R.grouped_quantize(x, offs, recipe, True, True))
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_kernel_quantize_weights_interpreter(recipe):
     _require_interpreter()

@@ -147,7 +147,7 @@ def quantize_config(kind: str, device_type: str) -> TileConfig:
     tiles = {
         "rows": TileConfig(block_m=4, block_n=1024, block_k=1, num_warps=4),
         "group_columns_whole": TileConfig(block_m=32, block_n=128, block_k=1, num_warps=4),
-        "group_columns_128": TileConfig(block_m=128, block_n=128, block_k=1, num_warps=8),
+        "group_columns_128": TileConfig(block_m=128, block_n=64, block_k=1, num_warps=8),
         "group_columns_32": TileConfig(block_m=32, block_n=128, block_k=1, num_warps=4),
         "tiles_1x128": TileConfig(block_m=16, block_n=128, block_k=1, num_warps=4),
         "tiles_1x32": TileConfig(block_m=16, block_n=128, block_k=1, num_warps=4),
@@ -169,7 +169,13 @@ def scaled_grouped_mm_config(n: int, k: int, recipe: str, device_type: str) -> T
     def heuristic():
         if recipe == "mxfp8":  # bf16 dots on dequantized chunks: the bf16 kernel's shape
             return TileConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
-        return TileConfig(block_m=128, block_n=256, block_k=128, num_warps=8, num_stages=3)
+        # H200 sweep, uniform fc1 of DeepSeek-V3 / Qwen3 (TFLOP/s, blockwise and rowwise):
+        # 128x128, 4 stages, warp-specialized tile loop 687/577 and 1009/706; 128x256 (no
+        # specialization, either kind) 492/430 and 921/707; 128x128 at 2 CTAs/SM 678/567 and
+        # 816/612; 64x256 at 2 CTAs/SM 349/336. Blockwise waits for every 128-deep dot before
+        # scaling it, so smaller tiles with a producer warp keep the tensor cores busier.
+        return TileConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4,
+                          warp_specialize=2)
 
     return _choose("scaled_grouped_mm", (n, k, recipe), device_type, heuristic)
 
@@ -184,7 +190,11 @@ def scaled_grouped_mm_wgrad_config(rows_per_group: int, k: int, n: int, recipe: 
                           block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
 
     def heuristic():
-        return TileConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
+        # H200 sweep, uniform fc1 wgrad of Qwen3 / DeepSeek-V3 (TFLOP/s, blockwise): a 64x128
+        # output tile at 2 CTAs/SM 259/489; 128x128 (8 warps) 180/344; 128x256 238/416;
+        # 128x128 at 2 CTAs/SM 86/158.
+        return TileConfig(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=3,
+                          ctas_per_sm=2)
 
     return _choose("scaled_grouped_mm_wgrad", (rows_per_group, k, n, recipe), device_type,
                    heuristic)

@@ -19,7 +19,7 @@ from compiled_moe import reference
 from compiled_moe.kernels.configs import quantize_config
 from compiled_moe.kernels.grouped_mm import _max_combine, _pad_groups, _pick
 
-FP8_MAX: tl.constexpr = 448.0
+FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit

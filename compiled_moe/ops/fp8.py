@@ -29,6 +29,11 @@ from compiled_moe.reference import FP8_DTYPE, check_recipe, fp8_block, fp8_colum
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
+# The columnwise kernel can also write the rowwise blocks of its tiles (x read once), but on
+# the H200 that fused launch ran at 0.06-0.12 of copy bandwidth against 0.4 for the rowwise
+# kernel alone (benchmarks/bench_fp8.py; not yet profiled), so two launches are the default.
+FUSE_ROW_AND_COLUMN = False
+
 
 def _kernels():
     from compiled_moe.kernels import quantize, scaled_grouped_mm  # Triton loads only when needed
@@ -126,7 +131,7 @@ def _quantize_into(x, offs, recipe, rowwise, columnwise, outs) -> None:
         if columnwise:
             quantize.quantize_tiles(x.mT, col_data, col_scale, recipe, weight=True)
         return
-    fused = columnwise and rowwise and recipe != "fp8_rowwise"  # x is read once for both
+    fused = FUSE_ROW_AND_COLUMN and columnwise and rowwise and recipe != "fp8_rowwise"
     if rowwise and not fused:
         quantize.quantize_tiles(x, data, scale, recipe, weight=False)
     if columnwise:
