@@ -15,4 +15,6 @@ python3 benchmarks/bench_grouped_mm.py --json "$OUT/bench_grouped_mm.json" 2>&1 
     | tee "$OUT/bench_grouped_mm.log" || status=1
 python3 benchmarks/bench_experts.py --json "$OUT/bench_experts.json" 2>&1 \
     | tee "$OUT/bench_experts.log" || status=1
+python3 benchmarks/bench_fp8.py --json "$OUT/bench_fp8.json" 2>&1 \
+    | tee "$OUT/bench_fp8.log" || status=1
 exit $status
