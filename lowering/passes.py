@@ -1,0 +1,320 @@
+"""FX rewrites that move stock MoE code onto compiled_moe's ops.
+
+They run on the graph dynamo hands to the backend (torch-level, "pre-grad" IR), before autograd
+is traced, so the backward comes from our ops' autograd formulas too:
+
+- ``torch._grouped_mm`` / ``F.grouped_mm`` (and transformers' ``grouped_mm_fallback``):
+  2-D x 3-D with offsets -> ``compiled_moe.grouped_mm``; 2-D x 2-D with offsets (the
+  weight-gradient form) -> ``compiled_moe.grouped_mm_wgrad``.
+- The sort-based dispatch that Hugging Face's ``grouped_mm`` experts backend writes:
+  ``hidden[perm // k]`` (a gather whose backward is an atomic scatter-add) -> ``moe_permute``;
+  ``(y * w[perm, None])[inverse(perm)].view(T, k, H).sum(1)`` -> ``moe_unpermute`` (weights and
+  combine in one deterministic pass). ``perm`` must be the indices of a 1-D ``sort``/``argsort``:
+  that is what makes it a permutation, so the rewrite is exact.
+
+Every match is checked on the nodes' example values (shapes, dtypes) without adding guards;
+anything that does not match is left alone. The rewrite is idempotent.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+from torch.fx import Graph, Node
+from torch.utils import _pytree as pytree
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ---------------------------------------------------------------------------- node helpers
+
+
+def _val(x: Any):
+    """The example value dynamo recorded for a node (a FakeTensor), or None."""
+    if not isinstance(x, Node):
+        return None
+    return x.meta.get("example_value", x.meta.get("val"))
+
+
+def _tensor(x: Any):
+    v = _val(x)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _known(cond) -> bool:
+    """True only when cond holds for every value of its symbols (never adds a guard)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    return bool(statically_known_true(cond))
+
+
+def _arg(node: Node, index: int, name: str, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _is_call(node: Any, targets, methods=()) -> bool:
+    if not isinstance(node, Node):
+        return False
+    if node.op == "call_function":
+        return node.target in targets
+    return node.op == "call_method" and node.target in methods
+
+
+def _emit(graph: Graph, before: Node, fn: Callable, *args) -> Node:
+    """Insert fn(*args) before a node, with its example value computed on the fake inputs."""
+    with graph.inserting_before(before):
+        node = graph.call_function(fn, args)
+    vals = [_val(a) if isinstance(a, Node) else a for a in args]
+    modes = [v.fake_mode for v in pytree.tree_leaves(vals) if hasattr(v, "fake_mode")]
+    if modes:
+        with modes[0]:
+            node.meta["example_value"] = fn(*vals)
+    return node
+
+
+_PURE_FUNCTIONS = {operator.getitem, operator.floordiv, operator.mul, torch.mul, torch.div,
+                   torch.reshape, torch.unsqueeze, torch.sum}
+_PURE_METHODS = {"view", "reshape", "unsqueeze", "sum", "mul", "div", "to"}
+
+
+def _replace(graph: Graph, node: Node, new: Node) -> None:
+    """Point node's users at new, then erase node and the pure inputs only it used."""
+    node.replace_all_uses_with(new)
+    dead = [node]
+    while dead:
+        n = dead.pop()
+        if n.users or n.graph is not graph:
+            continue
+        inputs = [a for a in n.all_input_nodes]
+        graph.erase_node(n)
+        dead += [a for a in inputs if (a.op == "call_function" and a.target in _PURE_FUNCTIONS)
+                 or (a.op == "call_method" and a.target in _PURE_METHODS)]
+
+
+# ---------------------------------------------------------------------------- grouped GEMMs
+
+
+def _grouped_mm_targets() -> set:
+    targets = {torch.ops.aten._grouped_mm.default, torch.ops.aten._grouped_mm}
+    if hasattr(torch, "_grouped_mm"):
+        targets.add(torch._grouped_mm)
+    try:  # transformers' fallback op for dtypes inductor's grouped mm does not take
+        fallback = torch.ops.transformers.grouped_mm_fallback
+        targets |= {fallback, fallback.default}
+    except (AttributeError, RuntimeError):
+        pass
+    return targets
+
+
+def _wgrad_form(a: Node, grad_out: Node, offs: Node, out_dtype):
+    """torch's 2-D x 2-D form, out[g] = a[:, rows_g] @ b[rows_g, :], in our op's (M, K) layout."""
+    return torch.ops.compiled_moe.grouped_mm_wgrad(a.t(), grad_out, offs, out_dtype)
+
+
+def rewrite_grouped_mm(graph: Graph) -> int:
+    """Replace grouped GEMM calls on offsets with compiled_moe's ops. Returns the count."""
+    targets = _grouped_mm_targets()
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in targets:
+            continue
+        a, b = node.args[0], node.args[1]
+        offs, bias = _arg(node, 2, "offs"), _arg(node, 3, "bias")
+        out_dtype = _arg(node, 4, "out_dtype")
+        av, bv, ov = _tensor(a), _tensor(b), _tensor(offs)
+        if av is None or bv is None or ov is None or bias is not None:
+            continue
+        if av.dtype != bv.dtype or av.dtype not in _FLOATS or ov.dtype != torch.int32 or ov.dim() != 1:
+            continue
+        if out_dtype not in (None, av.dtype, torch.float32):
+            continue
+        if av.dim() == 2 and bv.dim() == 3:
+            if not (_known(av.shape[1] == bv.shape[1]) and _known(ov.shape[0] == bv.shape[0])):
+                continue
+            new = _emit(graph, node, torch.ops.compiled_moe.grouped_mm.default, a, b, offs, None, out_dtype)
+        elif av.dim() == 2 and bv.dim() == 2:
+            if not _known(av.shape[1] == bv.shape[0]):
+                continue
+            new = _emit(graph, node, _wgrad_form, a, b, offs, out_dtype)
+        else:
+            continue
+        _replace(graph, node, new)
+        count += 1
+    return count
+
+
+# ---------------------------------------------------------------------------- sort-based dispatch
+
+
+def _sort_indices_length(perm: Node):
+    """If perm is the indices of sorting a 1-D tensor (so a permutation of range(n)), n."""
+    src = None
+    if _is_call(perm, {operator.getitem}) and perm.args[1] == 1:
+        sort = perm.args[0]
+        if _is_call(sort, {torch.sort}, ("sort",)):
+            src = sort.args[0]
+    elif _is_call(perm, {torch.argsort}, ("argsort",)):
+        src = perm.args[0]
+    sv, pv = _tensor(src), _tensor(perm)
+    if sv is None or pv is None or sv.dim() != 1 or pv.dim() != 1:
+        return None
+    return pv.shape[0]
+
+
+def routing_layout(perm: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row_of, source) of compiled_moe's routing ops from a sort permutation of the T*k pairs."""
+    source = perm.to(torch.int32)
+    rows = torch.arange(perm.shape[0], device=perm.device, dtype=torch.int32)
+    row_of = torch.empty_like(source).scatter(0, perm, rows)
+    return row_of.view(-1, top_k), source
+
+
+def _layout_of(graph: Graph, cache: dict, perm: Node, top_k, before: Node):
+    """One routing_layout per (perm, k), inserted before its first use."""
+    key = (perm, top_k)
+    if key not in cache:
+        layout = _emit(graph, before, routing_layout, perm, top_k)
+        cache[key] = tuple(_emit(graph, before, operator.getitem, layout, i) for i in (0, 1))
+    return cache[key]
+
+
+def _int_like(x) -> bool:
+    """A Python int, or a graph node holding a symbolic int (a size under dynamic shapes)."""
+    return isinstance(x, int) or isinstance(_val(x), torch.SymInt)
+
+
+def _floordiv_by_int(node: Any):
+    """(p, k) if node is p // k with k an int (or a symbolic size)."""
+    if _is_call(node, {operator.floordiv}) and _int_like(node.args[1]):
+        return node.args[0], node.args[1]
+    if (_is_call(node, {torch.div}, ("div",)) and len(node.args) > 1 and _int_like(node.args[1])
+            and node.kwargs.get("rounding_mode") == "floor"):
+        return node.args[0], node.args[1]
+    return None
+
+
+def _rewrite_gathers(graph: Graph, cache: dict) -> int:
+    count = 0
+    for node in list(graph.nodes):
+        if not _is_call(node, {operator.getitem}) or not isinstance(node.args[1], Node):
+            continue
+        hidden, index = node.args
+        pk = _floordiv_by_int(index)
+        hv = _tensor(hidden)
+        if pk is None or hv is None or hv.dim() != 2 or hv.dtype not in _FLOATS:
+            continue
+        perm, top_k = pk
+        n = _sort_indices_length(perm)
+        k = top_k if isinstance(top_k, int) else _val(top_k)
+        if n is None or not _known(k >= 1) or not _known(n == hv.shape[0] * k):
+            continue
+        row_of, source = _layout_of(graph, cache, perm, top_k, node)
+        new = _emit(graph, node, torch.ops.compiled_moe.moe_permute.default, hidden, row_of, source)
+        _replace(graph, node, new)
+        count += 1
+    return count
+
+
+def _inverse_of(node: Any):
+    """perm if node is ``inv = empty_like(perm); inv[perm] = arange(n)``, else None."""
+    if not _is_call(node, {torch.empty_like}):
+        return None
+    perm = node.args[0]
+    for user in node.users:
+        if _is_call(user, {operator.setitem}) and user.args[0] is node and user.args[1] is perm:
+            ar = user.args[2]
+            if (_is_call(ar, {torch.arange}) and len(ar.args) == 1
+                    and ar.kwargs.get("start", 0) == 0 and ar.kwargs.get("step", 1) == 1):
+                return perm
+    return None
+
+
+def _view_size(view: Node, dim: int):
+    """The size argument (an int or a symbolic-size node) of a view/reshape at dim."""
+    sizes = view.args[1:]
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
+        sizes = sizes[0]
+    if len(sizes) <= dim or not _int_like(sizes[dim]):
+        return None
+    return sizes[dim]
+
+
+def _sum_over_dim1(node: Node):
+    """x if node is x.sum(1) / torch.sum(x, dim=1) of a 3-D x, without keepdim."""
+    if not _is_call(node, {torch.sum}, ("sum",)) or node.kwargs.get("keepdim", False):
+        return None
+    x = node.args[0]
+    dim = _arg(node, 1, "dim")
+    xv = _tensor(x)
+    if xv is None or xv.dim() != 3 or dim not in (1, -2, (1,), [1]):
+        return None
+    return x
+
+
+def _routing_weights(graph: Graph, y: Node, perm: Node, top_k: int, before: Node):
+    """(y', weights (T, k)) if y = y' * w[perm].unsqueeze(-1) with w the flat (T*k,) weights."""
+    if not _is_call(y, {operator.mul, torch.mul}, ("mul",)):
+        return y, None
+    for rows, scale in (y.args[:2], y.args[1::-1]):
+        if not (_is_call(scale, {torch.unsqueeze}, ("unsqueeze",)) and _arg(scale, 1, "dim") in (-1, 1)):
+            continue
+        gathered = scale.args[0]
+        if not (_is_call(gathered, {operator.getitem}) and gathered.args[1] is perm):
+            continue
+        rv, wv = _tensor(rows), _tensor(gathered.args[0])
+        if rv is None or wv is None or rv.dim() != 2 or wv.dim() != 1 or not wv.is_floating_point():
+            continue
+        weights = _emit(graph, before, torch.Tensor.view, gathered.args[0], -1, top_k)
+        return rows, weights
+    return y, None
+
+
+def _rewrite_combines(graph: Graph, cache: dict) -> int:
+    count = 0
+    for node in list(graph.nodes):
+        x = _sum_over_dim1(node)
+        if x is None or not _is_call(x, {torch.reshape}, ("view", "reshape")):
+            continue
+        gathered = x.args[0]
+        if not _is_call(gathered, {operator.getitem}):
+            continue
+        y, inverse = gathered.args
+        perm = _inverse_of(inverse)
+        n = _sort_indices_length(perm) if perm is not None else None
+        xv, yv, out = _tensor(x), _tensor(y), _tensor(node)
+        if n is None or yv is None or yv.dim() != 2 or yv.dtype not in _FLOATS or out is None:
+            continue
+        top_k = _view_size(x, 1)
+        if top_k is None or not _known(yv.shape[0] == n):
+            continue
+        rows, weights = _routing_weights(graph, y, perm, top_k, node)
+        if _tensor(rows).dtype not in _FLOATS:
+            continue
+        row_of, source = _layout_of(graph, cache, perm, top_k, node)
+        new = _emit(graph, node, torch.ops.compiled_moe.moe_unpermute.default, rows, row_of, source,
+                    weights)
+        if _tensor(new).dtype != out.dtype:  # the sum ran in the promoted dtype of y * w
+            new = _emit(graph, node, torch.Tensor.to, new, out.dtype)
+        _replace(graph, node, new)
+        count += 1
+    return count
+
+
+def rewrite_sorted_dispatch(graph: Graph) -> int:
+    """Replace the sort-based gather and combine of an experts block. Returns the count."""
+    cache: dict = {}
+    return _rewrite_gathers(graph, cache) + _rewrite_combines(graph, cache)
+
+
+def rewrite(graph: Graph) -> dict[str, int]:
+    """Every rewrite of this module, in order; returns how many nodes each replaced."""
+    import compiled_moe  # noqa: F401  (registers torch.ops.compiled_moe)
+
+    counts = {"sorted_dispatch": rewrite_sorted_dispatch(graph),
+              "grouped_mm": rewrite_grouped_mm(graph)}
+    if any(counts.values()):
+        graph.lint()
+    return counts

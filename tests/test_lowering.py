@@ -1,0 +1,254 @@
+"""compiled_moe.lowering, CPU tier: the rewrites replace the stock ops in the FX graph (checked on
+the graph itself), the rewritten graphs give the float64 loop's results and gradients, dynamic
+token counts compile once, the named backend and enable() run them through inductor, and an
+unknown torch version falls back to the plain ops."""
+
+from __future__ import annotations
+
+import operator
+import warnings
+
+import pytest
+import torch
+
+import compiled_moe.lowering as lowering
+from helpers import loop_grouped_mm, loop_moe_experts, loop_wgrad, random_offsets
+
+CM = torch.ops.compiled_moe
+
+
+class Capture:
+    """A torch.compile backend: apply the rewrites, keep the graph, run it as FX (no inductor)."""
+
+    def __init__(self):
+        self.graphs, self.counts = [], []
+
+    def __call__(self, gm, example_inputs):
+        self.counts.append(lowering.rewrite(gm.graph))
+        gm.recompile()
+        self.graphs.append(gm.graph)
+        return gm
+
+    def targets(self, i=-1):
+        return [n.target for n in self.graphs[i].nodes if n.op == "call_function"]
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+# ------------------------------------------------------------------ torch._grouped_mm
+
+
+def test_rewrites_grouped_mm_and_gradients():
+    g = torch.Generator().manual_seed(0)
+    # bf16: torch._grouped_mm's meta function takes nothing else.
+    x = torch.randn(37, 24, generator=g).bfloat16()
+    w = torch.randn(5, 16, 24, generator=g).bfloat16()  # (G, N, K): nn.Linear layout, used as w.mT
+    offs = random_offsets(37, 5, generator=g, empty_groups=1, tail=3)
+
+    def f(x, w, offs):
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+    cap = Capture()
+    xs, ws = _leaf(x), _leaf(w)
+    out = torch.compile(f, backend=cap, fullgraph=True)(xs, ws, offs)
+    assert cap.counts[-1]["grouped_mm"] == 1
+    assert CM.grouped_mm.default in cap.targets() and torch._grouped_mm not in cap.targets()
+
+    x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    ref = loop_grouped_mm(x64, w64.transpose(-2, -1), offs)
+    cot = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    out.backward(cot.bfloat16())
+    ref.backward(cot)
+    torch.testing.assert_close(xs.grad.double(), x64.grad, rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(ws.grad.double(), w64.grad, rtol=2e-2, atol=5e-2)
+
+
+def test_rewrites_weight_gradient_form():
+    g = torch.Generator().manual_seed(1)
+    a, d = torch.randn(29, 16, generator=g).bfloat16(), torch.randn(29, 8, generator=g).bfloat16()
+    offs = random_offsets(29, 4, generator=g, empty_groups=1, tail=2)
+
+    def f(a, d, offs):  # torch's 2-D x 2-D form: out[g] = a[rows_g].T @ d[rows_g]
+        return torch._grouped_mm(a.t(), d, offs=offs)
+
+    cap = Capture()
+    out = torch.compile(f, backend=cap, fullgraph=True)(a, d, offs)
+    assert cap.counts[-1]["grouped_mm"] == 1 and torch._grouped_mm not in cap.targets()
+    torch.testing.assert_close(out.double(), loop_wgrad(a, d, offs), rtol=2e-2, atol=5e-2)
+
+
+def test_leaves_other_forms_alone():
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(3, 8, 16, generator=g).bfloat16()
+    b = torch.randn(3, 16, 8, generator=g).bfloat16()
+
+    def batched(a, b):  # 3-D x 3-D: no offsets, not a MoE projection
+        return torch._grouped_mm(a, b)
+
+    cap = Capture()
+    out = torch.compile(batched, backend=cap, fullgraph=True)(a, b)
+    assert cap.counts[-1] == {"sorted_dispatch": 0, "grouped_mm": 0}
+    torch.testing.assert_close(out.float(), torch.bmm(a.float(), b.float()), rtol=2e-2, atol=2e-2)
+
+    idx = torch.tensor([2, 0, 1])
+
+    def gather(x, ids):
+        # Not a sort permutation, and a permutation of 6 pairs over 8 rows (k=2 needs 3 rows).
+        return x[idx // 1].sum(0) + x[ids.sort().indices // 2].sum(0)
+
+    out = torch.compile(gather, backend=cap, fullgraph=True)(a[0], torch.tensor([5, 1, 3, 0, 2, 4]))
+    assert cap.counts[-1]["sorted_dispatch"] == 0
+
+
+# ------------------------------------------------------------------ HF's grouped_mm backend
+
+
+def _hf_experts(dtype, experts=6, hidden=32, inter=16, k=2, seed=0):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    cfg = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts,
+                         num_experts_per_tok=k)
+    cfg._experts_implementation = "grouped_mm"
+    torch.manual_seed(seed)
+    mod = Qwen3MoeExperts(cfg).to(dtype)
+    with torch.no_grad():
+        mod.gate_up_proj.normal_(0, hidden ** -0.5)
+        mod.down_proj.normal_(0, inter ** -0.5)
+    return mod
+
+
+def _hf_inputs(mod, tokens, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    e, k, hdim = mod.num_experts, mod.config.num_experts_per_tok, mod.config.hidden_size
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, k, generator=g), -1).to(dtype)
+    hidden = torch.randn(tokens, hdim, generator=g).to(dtype)
+    return hidden, ids, weights
+
+
+def _hf_forward(mod):
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    return lambda h, i, w: grouped_mm_experts_forward(mod, h, i, w)
+
+
+def _check_against_loop(mod, fn, hidden, ids, weights, tol):
+    h, w = _leaf(hidden), _leaf(weights)
+    out = fn(h, ids, w)
+    h64, w64 = hidden.double().requires_grad_(True), weights.double().requires_grad_(True)
+    w1 = mod.gate_up_proj.detach().double().requires_grad_(True)
+    w2 = mod.down_proj.detach().double().requires_grad_(True)
+    ref = loop_moe_experts(h64, ids, w64, w1, w2, "swiglu", "stacked", None, None)
+    cot = torch.randn(ref.shape, dtype=torch.float64)
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    out.backward(cot.to(out.dtype))
+    ref.backward(cot)
+    for got, want in ((h.grad, h64.grad), (w.grad, w64.grad), (mod.gate_up_proj.grad, w1.grad),
+                      (mod.down_proj.grad, w2.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    mod.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_hf_grouped_mm_backend_is_rewritten(dtype, tol):
+    """fp32 goes through transformers' fallback op, bf16 through torch._grouped_mm."""
+    mod = _hf_experts(dtype)
+    hidden, ids, weights = _hf_inputs(mod, 13, dtype)
+    cap = Capture()
+    fn = torch.compile(_hf_forward(mod), backend=cap, fullgraph=True)
+    _check_against_loop(mod, fn, hidden, ids, weights, tol)
+    assert cap.counts[-1] == {"sorted_dispatch": 2, "grouped_mm": 2}
+    targets = cap.targets()
+    assert targets.count(CM.grouped_mm.default) == 2
+    assert CM.moe_permute.default in targets and CM.moe_unpermute.default in targets
+    assert torch._grouped_mm not in targets
+    # The gather hidden[perm // k] and the combine's sum are gone from the graph.
+    assert operator.floordiv not in targets and torch.sum not in targets
+    assert not any(n.op == "call_method" and n.target == "sum" for n in cap.graphs[-1].nodes)
+
+
+def test_hf_backend_dynamic_tokens_one_compile():
+    mod = _hf_experts(torch.float32)
+    cap = Capture()
+    fn = torch.compile(_hf_forward(mod), backend=cap, fullgraph=True, dynamic=True)
+    for tokens in (9, 16, 23):
+        hidden, ids, weights = _hf_inputs(mod, tokens, torch.float32, seed=tokens)
+        _check_against_loop(mod, fn, hidden, ids, weights, 1e-4)
+    assert len(cap.graphs) == 1
+    assert cap.counts[0] == {"sorted_dispatch": 2, "grouped_mm": 2}
+
+
+# ------------------------------------------------------------------ entry points
+
+
+def test_named_backend_through_inductor():
+    assert "compiled_moe" in torch._dynamo.list_backends()
+    torch._dynamo.reset()
+    mod = _hf_experts(torch.float32)
+    hidden, ids, weights = _hf_inputs(mod, 11, torch.float32)
+    fn = torch.compile(_hf_forward(mod), backend="compiled_moe", fullgraph=True)
+    _check_against_loop(mod, fn, hidden, ids, weights, 1e-4)
+
+
+class Spy:
+    def __init__(self, monkeypatch):
+        self.counts = []
+        self._rewrite = lowering.rewrite
+        monkeypatch.setattr(lowering, "rewrite", self)
+
+    def __call__(self, graph):
+        self.counts.append(self._rewrite(graph))
+        return self.counts[-1]
+
+
+def test_enable_runs_the_pass_in_default_inductor(monkeypatch):
+    from torch._inductor import config
+
+    spy = Spy(monkeypatch)
+    assert not lowering.is_enabled()
+    try:
+        assert lowering.enable() and lowering.is_enabled()
+        torch._dynamo.reset()
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(21, 16, generator=g).bfloat16()
+        w = torch.randn(3, 8, 16, generator=g).bfloat16()
+        offs = random_offsets(21, 3, generator=g)
+        out = torch.compile(lambda x, w, o: torch._grouped_mm(x, w.mT, offs=o))(x, w, offs)
+        torch.testing.assert_close(out.double(), loop_grouped_mm(x, w.mT, offs), rtol=2e-2, atol=2e-2)
+        assert spy.counts and spy.counts[0]["grouped_mm"] == 1
+    finally:
+        lowering.disable()
+    assert not lowering.is_enabled() and config.pre_grad_custom_pass is None
+
+
+def test_enable_keeps_an_existing_pass(monkeypatch):
+    from torch._inductor import config
+
+    seen = []
+    monkeypatch.setattr(config, "pre_grad_custom_pass", seen.append)
+    try:
+        lowering.enable()
+        graph = torch.fx.Graph()
+        config.pre_grad_custom_pass(graph)
+        assert seen == [graph]
+    finally:
+        lowering.disable()
+    assert config.pre_grad_custom_pass == seen.append
+
+
+def test_unknown_torch_version_falls_back(monkeypatch):
+    spy = Spy(monkeypatch)
+    monkeypatch.setattr(torch, "__version__", "9.99.0")
+    monkeypatch.setattr(lowering, "_warned", False)
+    with pytest.warns(UserWarning, match="graph rewrites are off"):
+        assert lowering.enable() is False
+    assert not lowering.is_enabled()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once already
+        gm = torch.fx.symbolic_trace(lambda x: x + 1)
+        lowering._apply(gm.graph)
+    assert spy.counts == []
