@@ -11,6 +11,8 @@ is traced, so the backward comes from our ops' autograd formulas too:
   ``(y * w[perm, None])[inverse(perm)].view(T, k, H).sum(1)`` -> ``moe_unpermute`` (weights and
   combine in one deterministic pass). ``perm`` must be the indices of a 1-D ``sort``/``argsort``:
   that is what makes it a permutation, so the rewrite is exact.
+- Zero-fills of rows at or past offs[-1] around our grouped_mm (the expert-parallel sentinel
+  masks of that backend) are dropped: our kernels already write zeros there and read nothing.
 
 Every match is checked on the nodes' example values (shapes, dtypes) without adding guards;
 anything that does not match is left alone. The rewrite is idempotent.
@@ -75,9 +77,9 @@ def _emit(graph: Graph, before: Node, fn: Callable, *args) -> Node:
     return node
 
 
-_PURE_FUNCTIONS = {operator.getitem, operator.floordiv, operator.mul, torch.mul, torch.div,
-                   torch.reshape, torch.unsqueeze, torch.sum}
-_PURE_METHODS = {"view", "reshape", "unsqueeze", "sum", "mul", "div", "to"}
+_PURE_FUNCTIONS = {operator.getitem, operator.floordiv, operator.mul, operator.ge, torch.mul,
+                   torch.div, torch.ge, torch.reshape, torch.unsqueeze, torch.sum}
+_PURE_METHODS = {"view", "reshape", "unsqueeze", "sum", "mul", "div", "ge", "to"}
 
 
 def _replace(graph: Graph, node: Node, new: Node) -> None:
@@ -309,12 +311,119 @@ def rewrite_sorted_dispatch(graph: Graph) -> int:
     return _rewrite_gathers(graph, cache) + _rewrite_combines(graph, cache)
 
 
+# ---------------------------------------------------------------------------- row masks
+
+
+def _is_zero(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == 0
+
+
+def _int_arg(node: Node, index: int, name: str):
+    value = _arg(node, index, name)
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _sorted_values(node: Any):
+    """The sort node if node is ``sort(x)[0]`` of a 1-D x in ascending order, else None."""
+    if not (_is_call(node, {operator.getitem}) and node.args[1] == 0):
+        return None
+    sort = node.args[0]
+    if not _is_call(sort, {torch.sort}, ("sort",)) or _arg(sort, 2, "descending", False):
+        return None
+    xv = _tensor(sort.args[0])
+    return sort if xv is not None and xv.dim() == 1 else None
+
+
+def _mask_past_offsets(mask: Node, offs: Node) -> bool:
+    """Whether every row that mask selects lies at or past offs[-1].
+
+    True for the expert-parallel sentinel mask of Hugging Face's ``grouped_mm`` experts backend:
+    ``mask = (ids_sorted >= E).unsqueeze(-1)`` with
+    ``offs = cumsum(histc(ids_sorted, bins, min=lo, max=hi))``, ``E > hi``, over the same
+    ascending sort. histc counts ids in [lo, hi] only, so offs[-1] rows hold them and the ids
+    >= E, which sort last, fill rows from offs[-1] on. The values must not change between the
+    reads: every in-place use of the sorted ids (the backend clamps them) must come later.
+    """
+    if not (_is_call(mask, {torch.unsqueeze}, ("unsqueeze",)) and _arg(mask, 1, "dim") in (-1, 1)):
+        return False
+    ge = mask.args[0]
+    if not _is_call(ge, {operator.ge, torch.ge}, ("ge",)):
+        return False
+    ids, bound = ge.args[0], _int_arg(ge, 1, "other")
+    if _sorted_values(ids) is None or bound is None:
+        return False
+    if not (_is_call(offs, {torch.cumsum}, ("cumsum",)) and _arg(offs, 1, "dim") in (0, -1)):
+        return False
+    histc = offs.args[0]
+    if not _is_call(histc, {torch.histc}, ("histc",)):
+        return False
+    source = histc.args[0]
+    while _is_call(source, {torch.Tensor.to}, ("to", "float", "int", "long", "double")):
+        source = source.args[0]  # a cast of integer ids keeps their values
+    hi = _int_arg(histc, 3, "max")
+    if source is not ids or hi is None or not bound > hi:
+        return False
+    order = {n: i for i, n in enumerate(ids.graph.nodes)}
+    last_read = max(order[ge], order[histc])
+    return all(order[u] > last_read for u in ids.users
+               if u.op == "call_method" and u.target.endswith("_"))
+
+
+def _row_consumers_offsets(x: Node, skip: Node):
+    """The offsets node if every user of x but ``skip`` is the rows operand of
+    compiled_moe.grouped_mm over that one offs, directly or through ``.to`` (so x's rows at or
+    past offs[-1] are never read); else None."""
+    found = set()
+    pending = [(u, x) for u in x.users if u is not skip]
+    while pending:
+        user, via = pending.pop()
+        if user.args[0] is not via:
+            return None
+        if _is_call(user, {torch.Tensor.to}, ("to",)):
+            pending += [(u, user) for u in user.users]
+        elif _is_call(user, {torch.ops.compiled_moe.grouped_mm.default}):
+            found.add(user.args[2])
+        else:
+            return None
+    return found.pop() if len(found) == 1 else None
+
+
+def remove_row_masks(graph: Graph) -> int:
+    """Drop zero-fills of rows at or past offs[-1] around compiled_moe.grouped_mm.
+
+    Our grouped_mm writes zeros past offs[-1] and reads no rows there (its backward neither),
+    so ``masked_fill(grouped_mm(...), mask, 0)`` is its input, and an in-place fill of rows
+    that only grouped_mm reads changes nothing, values or gradients. Hugging Face's backend
+    (transformers 5.17, and later ones under expert parallelism) writes three such fills, each
+    a full pass over the activations.
+    """
+    count = 0
+    for node in list(graph.nodes):
+        if not _is_call(node, {torch.masked_fill}, ("masked_fill", "masked_fill_")):
+            continue
+        x, mask, value = node.args[0], _arg(node, 1, "mask"), _arg(node, 2, "value")
+        if not isinstance(x, Node) or not isinstance(mask, Node) or not _is_zero(value):
+            continue
+        if node.target == "masked_fill_":
+            offs = None if node.users else _row_consumers_offsets(x, node)
+        elif _is_call(x, {torch.ops.compiled_moe.grouped_mm.default}):
+            offs = x.args[2]
+        else:
+            offs = None
+        if not isinstance(offs, Node) or not _mask_past_offsets(mask, offs):
+            continue
+        _replace(graph, node, x)
+        count += 1
+    return count
+
+
 def rewrite(graph: Graph) -> dict[str, int]:
     """Every rewrite of this module, in order; returns how many nodes each replaced."""
     import compiled_moe  # noqa: F401  (registers torch.ops.compiled_moe)
 
     counts = {"sorted_dispatch": rewrite_sorted_dispatch(graph),
               "grouped_mm": rewrite_grouped_mm(graph)}
+    counts["row_masks"] = remove_row_masks(graph)
     if any(counts.values()):
         graph.lint()
     return counts

@@ -90,7 +90,7 @@ def test_leaves_other_forms_alone():
 
     cap = Capture()
     out = torch.compile(batched, backend=cap, fullgraph=True)(a, b)
-    assert cap.counts[-1] == {"sorted_dispatch": 0, "grouped_mm": 0}
+    assert cap.counts[-1] == {"sorted_dispatch": 0, "grouped_mm": 0, "row_masks": 0}
     torch.testing.assert_close(out.float(), torch.bmm(a.float(), b.float()), rtol=2e-2, atol=2e-2)
 
     idx = torch.tensor([2, 0, 1])
@@ -161,7 +161,7 @@ def test_hf_grouped_mm_backend_is_rewritten(dtype, tol):
     cap = Capture()
     fn = torch.compile(_hf_forward(mod), backend=cap, fullgraph=True)
     _check_against_loop(mod, fn, hidden, ids, weights, tol)
-    assert cap.counts[-1] == {"sorted_dispatch": 2, "grouped_mm": 2}
+    assert cap.counts[-1] == {"sorted_dispatch": 2, "grouped_mm": 2, "row_masks": 0}
     targets = cap.targets()
     assert targets.count(CM.grouped_mm.default) == 2
     assert CM.moe_permute.default in targets and CM.moe_unpermute.default in targets
@@ -169,6 +169,51 @@ def test_hf_grouped_mm_backend_is_rewritten(dtype, tol):
     # The gather hidden[perm // k] and the combine's sum are gone from the graph.
     assert operator.floordiv not in targets and torch.sum not in targets
     assert not any(n.op == "call_method" and n.target == "sum" for n in cap.graphs[-1].nodes)
+
+
+def test_expert_parallel_sentinel_masks_are_dropped():
+    """Under expert parallelism (and always in transformers 5.17) the backend zero-fills the
+    rows of sentinel ids (>= E) three times; past offs[-1] our grouped_mm already writes and
+    reads nothing, so the pass drops the fills and the results stay exact."""
+    mod = _hf_experts(torch.float32)
+    mod._is_expert_parallel = True
+    hidden, ids, weights = _hf_inputs(mod, 13, torch.float32)
+    ids[::3, 0] = mod.num_experts  # pairs routed to another rank
+    ids[5, 1] = mod.num_experts + 4
+    cap = Capture()
+    fn = torch.compile(_hf_forward(mod), backend=cap, fullgraph=True)
+    _check_against_loop(mod, fn, hidden, ids, weights, 1e-4)
+    assert cap.counts[-1] == {"sorted_dispatch": 2, "grouped_mm": 2, "row_masks": 3}
+    nodes = cap.graphs[-1].nodes
+    assert not any(n.op == "call_method" and n.target.startswith("masked_fill") for n in nodes)
+
+
+def test_keeps_masks_that_are_not_past_the_offsets():
+    """A fill of rows that grouped_mm computes (the bound is inside histc's range, or the mask
+    comes from other ids) is real work and stays."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 8, generator=g)
+    w = torch.randn(4, 8, 16, generator=g)  # torch._grouped_mm wants 16-byte strides
+
+    def f(x, w, ids, other, bound):
+        ids_sorted, _ = torch.sort(ids)
+        offs = torch.cumsum(torch.histc(ids_sorted.float(), bins=4, min=0, max=3), 0, dtype=torch.int32)
+        y = torch._grouped_mm(x.bfloat16(), w.bfloat16(), offs=offs)
+        return (y.masked_fill((ids_sorted >= bound).unsqueeze(-1), 0)
+                + y.masked_fill((other >= 4).unsqueeze(-1), 0))
+
+    ids = torch.tensor([3, 0, 5, 1, 1, 2, 0, 3, 4, 2, 1, 0])
+    for bound in (4, 3):
+        cap = Capture()
+        out = torch.compile(f, backend=cap, fullgraph=True)(x, w, ids, ids.flip(0), bound)
+        assert cap.counts[-1]["grouped_mm"] == 1
+        assert cap.counts[-1]["row_masks"] == (1 if bound == 4 else 0)
+        ids_sorted = ids.sort().values
+        offs = torch.cumsum(torch.histc(ids_sorted.float(), bins=4, min=0, max=3), 0).int()
+        ref = loop_grouped_mm(x.bfloat16(), w.bfloat16(), offs).float()
+        want = (ref.masked_fill((ids_sorted >= bound)[:, None], 0)
+                + ref.masked_fill((ids.flip(0) >= 4)[:, None], 0))
+        torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
 
 
 def test_hf_backend_dynamic_tokens_one_compile():
@@ -179,7 +224,7 @@ def test_hf_backend_dynamic_tokens_one_compile():
         hidden, ids, weights = _hf_inputs(mod, tokens, torch.float32, seed=tokens)
         _check_against_loop(mod, fn, hidden, ids, weights, 1e-4)
     assert len(cap.graphs) == 1
-    assert cap.counts[0] == {"sorted_dispatch": 2, "grouped_mm": 2}
+    assert cap.counts[0] == {"sorted_dispatch": 2, "grouped_mm": 2, "row_masks": 0}
 
 
 # ------------------------------------------------------------------ entry points

@@ -1,0 +1,171 @@
+"""compiled_moe.lowering on the GPU, same run:
+
+  (a) Hugging Face's unmodified ``grouped_mm`` experts backend (grouped_mm_experts_forward on a
+      Qwen3MoeExperts module) under plain ``torch.compile`` against
+      ``torch.compile(backend="compiled_moe")`` (the graph rewrites on), forward and
+      forward+backward, bf16, skewed routing.
+  (b) Host time per compiled experts-block forward (CPU timer, no synchronisation, a tiny
+      problem so the GPU never holds the host back): ``compiled_moe.moe_experts`` compiled,
+      against the same block built from opaque ``custom_op`` wrappers of the same ops, and the
+      floor of the machine: a compiled function that only adds 1, in each mode.
+
+    python benchmarks/bench_lowering.py [--models qwen] [--tokens 8192] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import compiled_moe as cm
+from bench_experts import hf_experts_module, skewed_topk
+from common import MODELS, bench, environment, write_json
+
+
+def hf_rows(models, tokens_override):
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    rows = []
+    for shape in models:
+        tokens = tokens_override or (8192 if shape.name.startswith("Qwen3") else shape.tokens)
+        torch.manual_seed(0)
+        mod = hf_experts_module(shape, torch.bfloat16)
+        ids, weights = skewed_topk(tokens, shape.experts, shape.top_k)
+        weights = weights.to(torch.bfloat16)
+        hidden = torch.randn(tokens, shape.hidden, device="cuda", dtype=torch.bfloat16,
+                             requires_grad=True)
+        grad = torch.randn_like(hidden)
+
+        def hf(h, i, w):
+            return grouped_mm_experts_forward(mod, h, i, w)
+
+        variants = {"plain": torch.compile(hf, fullgraph=True),
+                    "pass": torch.compile(hf, fullgraph=True, backend="compiled_moe")}
+        with torch.no_grad():
+            ref = variants["plain"](hidden, ids, weights).float()
+            err = (variants["pass"](hidden, ids, weights).float() - ref).abs().max().item()
+        res = {}
+        for name, fn in variants.items():
+            with torch.no_grad():
+                res[(name, "fwd")] = bench(lambda: fn(hidden, ids, weights))
+
+            def fwd_bwd():
+                fn(hidden, ids, weights).backward(grad)
+                hidden.grad = mod.gate_up_proj.grad = mod.down_proj.grad = None
+
+            res[(name, "fwd+bwd")] = bench(fwd_bwd)
+        for pas in ("fwd", "fwd+bwd"):
+            rows.append(dict(model=shape.name, tokens=tokens, pass_=pas, max_abs_diff=err,
+                             plain_ms=res[("plain", pas)], pass_ms=res[("pass", pas)]))
+    return rows
+
+
+# ---------------------------------------------------------------------------- host time
+
+
+def _opaque_ops():
+    """custom_op wrappers of the block's ops: what inductor sees when a kernel is opaque."""
+    lib = "compiled_moe_bench_opaque"
+    ops = {}
+
+    @torch.library.custom_op(f"{lib}::permute", mutates_args=())
+    def permute(hidden: torch.Tensor, row_of: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        return torch.ops.compiled_moe.moe_permute(hidden, row_of, source)
+
+    @torch.library.custom_op(f"{lib}::linear", mutates_args=())
+    def linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return torch.ops.compiled_moe.grouped_mm(x, w.transpose(-2, -1), offs)
+
+    @torch.library.custom_op(f"{lib}::act", mutates_args=())
+    def act(h: torch.Tensor) -> torch.Tensor:
+        return torch.ops.compiled_moe.moe_activation(h, "swiglu", "stacked")
+
+    @torch.library.custom_op(f"{lib}::unpermute", mutates_args=())
+    def unpermute(y: torch.Tensor, row_of: torch.Tensor, source: torch.Tensor,
+                  w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.compiled_moe.moe_unpermute(y, row_of, source, w)
+
+    permute.register_fake(lambda h, r, s: h.new_empty(s.shape[0], h.shape[1]))
+    linear.register_fake(lambda x, w, o: x.new_empty(x.shape[0], w.shape[1]))
+    act.register_fake(lambda h: h.new_empty(h.shape[0], h.shape[1] // 2))
+    unpermute.register_fake(lambda y, r, s, w: y.new_empty(r.shape[0], y.shape[1]))
+    ops.update(permute=permute, linear=linear, act=act, unpermute=unpermute)
+    return ops
+
+
+def host_us(fn, calls=300):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return t
+
+
+def host_rows():
+    experts, hidden_size, inter, k, tokens = 8, 256, 128, 2, 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w1 = torch.randn(experts, 2 * inter, hidden_size, device="cuda", dtype=torch.bfloat16, generator=g)
+    w2 = torch.randn(experts, hidden_size, inter, device="cuda", dtype=torch.bfloat16, generator=g)
+    hidden = torch.randn(tokens, hidden_size, device="cuda", dtype=torch.bfloat16, generator=g)
+    ids = torch.randint(0, experts, (tokens, k), device="cuda", generator=g)
+    weights = torch.rand(tokens, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    op = _opaque_ops()
+
+    def ours(h, i, w):
+        return cm.moe_experts(h, i, w, w1, w2)
+
+    def opaque(h, i, w):
+        offs, row_of, source = torch.ops.compiled_moe.moe_route(i, experts, 1)
+        x = op["permute"](h, row_of, source)
+        y = op["linear"](op["act"](op["linear"](x, w1, offs)), w2, offs)
+        return op["unpermute"](y, row_of, source, w)
+
+    rows = []
+    modes = {"default": {}, "reduce-overhead": dict(mode="reduce-overhead"),
+             "cpp_wrapper": dict(options={"cpp_wrapper": True})}
+    def floor(h, i, w):  # what torch.compile's entry costs with next to no work
+        return h + 1
+
+    blocks = (("compiled_moe ops (triton_op)", ours), ("opaque custom_ops", opaque),
+              ("floor: compiled h + 1", floor))
+    for name, fn in blocks:
+        for mode, kwargs in modes.items():
+            torch._dynamo.reset()
+            compiled = torch.compile(fn, fullgraph=True, **kwargs)
+            with torch.no_grad():
+                us = host_us(lambda: compiled(hidden, ids, weights))
+            rows.append(dict(block=name, mode=mode, host_us=us))
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", nargs="*", default=["Qwen3"], help="substrings of model names")
+    p.add_argument("--tokens", type=int, default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    env = environment()
+    print(f"# {env}")
+    models = [m for m in MODELS if any(s.lower() in m.name.lower() for s in args.models)]
+    rows = hf_rows(models, args.tokens)
+    host = host_rows()
+    print(f"\n{'HF grouped_mm backend':22s} {'T':>5s} {'pass':8s} {'plain compile':>13s} "
+          f"{'backend=compiled_moe':>20s} {'speedup':>8s} {'max|diff|':>9s}   (ms)")
+    for r in rows:
+        print(f"{r['model']:22s} {r['tokens']:5d} {r['pass_']:8s} {r['plain_ms']:13.3f} "
+              f"{r['pass_ms']:20.3f} {r['plain_ms'] / r['pass_ms']:7.2f}x {r['max_abs_diff']:9.3g}")
+    print(f"\n{'compiled experts block, forward':34s} {'mode':16s} {'host us/call':>12s}")
+    for r in host:
+        print(f"{r['block']:34s} {r['mode']:16s} {r['host_us']:12.1f}")
+    if args.json:
+        write_json(args.json, dict(environment=env, hf=rows, host=host))
+
+
+if __name__ == "__main__":
+    main()
