@@ -110,8 +110,10 @@ def host_us(fn, calls=300):
 def host_rows():
     experts, hidden_size, inter, k, tokens = 8, 256, 128, 2, 64
     g = torch.Generator(device="cuda").manual_seed(0)
-    w1 = torch.randn(experts, 2 * inter, hidden_size, device="cuda", dtype=torch.bfloat16, generator=g)
-    w2 = torch.randn(experts, hidden_size, inter, device="cuda", dtype=torch.bfloat16, generator=g)
+    # Parameters, as in a model: CUDA graphs keep their addresses instead of copying them in.
+    param = lambda *shape: torch.nn.Parameter(torch.randn(
+        *shape, device="cuda", dtype=torch.bfloat16, generator=g), requires_grad=False)
+    w1, w2 = param(experts, 2 * inter, hidden_size), param(experts, hidden_size, inter)
     hidden = torch.randn(tokens, hidden_size, device="cuda", dtype=torch.bfloat16, generator=g)
     ids = torch.randint(0, experts, (tokens, k), device="cuda", generator=g)
     weights = torch.rand(tokens, k, device="cuda", dtype=torch.bfloat16, generator=g)

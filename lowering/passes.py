@@ -369,6 +369,12 @@ def _mask_past_offsets(mask: Node, offs: Node) -> bool:
                if u.op == "call_method" and u.target.endswith("_"))
 
 
+def _mutated(x: Node) -> bool:
+    """Whether an in-place method or a setitem writes into x somewhere in the graph."""
+    return any((u.op == "call_method" and u.target.endswith("_") and u.args[0] is x)
+               or (_is_call(u, {operator.setitem}) and u.args[0] is x) for u in x.users)
+
+
 def _row_consumers_offsets(x: Node, skip: Node):
     """The offsets node if every user of x but ``skip`` is the rows operand of
     compiled_moe.grouped_mm over that one offs, directly or through ``.to`` (so x's rows at or
@@ -406,8 +412,8 @@ def remove_row_masks(graph: Graph) -> int:
             continue
         if node.target == "masked_fill_":
             offs = None if node.users else _row_consumers_offsets(x, node)
-        elif _is_call(x, {torch.ops.compiled_moe.grouped_mm.default}):
-            offs = x.args[2]
+        elif _is_call(x, {torch.ops.compiled_moe.grouped_mm.default}) and not _mutated(x):
+            offs = x.args[2]  # (HF adds biases in place first: then the fill is real work)
         else:
             offs = None
         if not isinstance(offs, Node) or not _mask_past_offsets(mask, offs):

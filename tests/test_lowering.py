@@ -194,25 +194,32 @@ def test_keeps_masks_that_are_not_past_the_offsets():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(12, 8, generator=g)
     w = torch.randn(4, 8, 16, generator=g)  # torch._grouped_mm wants 16-byte strides
+    bias = torch.randn(4, 16, generator=g).bfloat16()
 
     def f(x, w, ids, other, bound):
         ids_sorted, _ = torch.sort(ids)
         offs = torch.cumsum(torch.histc(ids_sorted.float(), bins=4, min=0, max=3), 0, dtype=torch.int32)
         y = torch._grouped_mm(x.bfloat16(), w.bfloat16(), offs=offs)
+        # A bias added in place (as HF does) writes every row, the rows past offs[-1] too.
+        z = torch._grouped_mm(x.bfloat16(), w.bfloat16(), offs=offs)
+        z.add_(bias[ids_sorted.clamp(max=3)])
         return (y.masked_fill((ids_sorted >= bound).unsqueeze(-1), 0)
-                + y.masked_fill((other >= 4).unsqueeze(-1), 0))
+                + y.masked_fill((other >= 4).unsqueeze(-1), 0)
+                + z.masked_fill((ids_sorted >= 4).unsqueeze(-1), 0))
 
     ids = torch.tensor([3, 0, 5, 1, 1, 2, 0, 3, 4, 2, 1, 0])
     for bound in (4, 3):
         cap = Capture()
         out = torch.compile(f, backend=cap, fullgraph=True)(x, w, ids, ids.flip(0), bound)
-        assert cap.counts[-1]["grouped_mm"] == 1
+        assert cap.counts[-1]["grouped_mm"] == 2
         assert cap.counts[-1]["row_masks"] == (1 if bound == 4 else 0)
         ids_sorted = ids.sort().values
         offs = torch.cumsum(torch.histc(ids_sorted.float(), bins=4, min=0, max=3), 0).int()
         ref = loop_grouped_mm(x.bfloat16(), w.bfloat16(), offs).float()
+        z = (ref.bfloat16() + bias[ids_sorted.clamp(max=3)]).float()
         want = (ref.masked_fill((ids_sorted >= bound)[:, None], 0)
-                + ref.masked_fill((ids.flip(0) >= 4)[:, None], 0))
+                + ref.masked_fill((ids.flip(0) >= 4)[:, None], 0)
+                + z.masked_fill((ids_sorted >= 4)[:, None], 0))
         torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
 
 
