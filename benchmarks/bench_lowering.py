@@ -15,13 +15,13 @@
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 import compiled_moe as cm
 from bench_experts import hf_experts_module, skewed_topk
 from common import MODELS, bench, environment, write_json
+from host_overhead import host_us
 
 
 def hf_rows(models, tokens_override):
@@ -93,18 +93,6 @@ def _opaque_ops():
     unpermute.register_fake(lambda y, r, s, w: y.new_empty(r.shape[0], y.shape[1]))
     ops.update(permute=permute, linear=linear, act=act, unpermute=unpermute)
     return ops
-
-
-def host_us(fn, calls=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return t
 
 
 def host_rows():
