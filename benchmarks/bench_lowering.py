@@ -10,6 +10,7 @@
       floor of the machine: a compiled function that only adds 1, in each mode.
 
     python benchmarks/bench_lowering.py [--models qwen] [--tokens 8192] [--json out.json]
+    python benchmarks/bench_lowering.py --profile     # where the GPU time goes, per kernel
 """
 
 from __future__ import annotations
@@ -60,6 +61,49 @@ def hf_rows(models, tokens_override):
             rows.append(dict(model=shape.name, tokens=tokens, pass_=pas, max_abs_diff=err,
                              plain_ms=res[("plain", pas)], pass_ms=res[("pass", pas)]))
     return rows
+
+
+def profile_rows(models, tokens_override, steps=5):
+    """GPU time per fwd+bwd step by kernel (torch.profiler): the rewritten HF graph against our
+    own moe_experts on the same module and inputs."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    for shape in models:
+        tokens = tokens_override or (8192 if shape.name.startswith("Qwen3") else shape.tokens)
+        torch.manual_seed(0)
+        mod = hf_experts_module(shape, torch.bfloat16)
+        ids, weights = skewed_topk(tokens, shape.experts, shape.top_k)
+        weights = weights.to(torch.bfloat16)
+        hidden = torch.randn(tokens, shape.hidden, device="cuda", dtype=torch.bfloat16,
+                             requires_grad=True)
+        grad = torch.randn_like(hidden)
+        variants = {
+            "HF grouped_mm, backend=compiled_moe": torch.compile(
+                lambda h, i, w: grouped_mm_experts_forward(mod, h, i, w), fullgraph=True,
+                backend="compiled_moe"),
+            "compiled_moe.moe_experts": torch.compile(
+                lambda h, i, w: cm.moe_experts(h, i, w, mod.gate_up_proj, mod.down_proj),
+                fullgraph=True),
+        }
+        for name, fn in variants.items():
+            def step():
+                fn(hidden, ids, weights).backward(grad)
+                hidden.grad = mod.gate_up_proj.grad = mod.down_proj.grad = None
+
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    step()
+                torch.cuda.synchronize()
+            events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+            events.sort(key=lambda e: -e.self_device_time_total)
+            total = sum(e.self_device_time_total for e in events) / steps / 1e3
+            print(f"\n{shape.name} T={tokens} fwd+bwd, {name}: {total:.3f} ms GPU time per step")
+            for e in events[:12]:
+                print(f"  {e.self_device_time_total / steps / 1e3:7.3f} ms  {e.key[:90]}")
 
 
 # ---------------------------------------------------------------------------- host time
@@ -139,10 +183,15 @@ def main():
     p.add_argument("--models", nargs="*", default=["Qwen3"], help="substrings of model names")
     p.add_argument("--tokens", type=int, default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", action="store_true",
+                   help="only the per-kernel GPU time of the rewritten graph and of moe_experts")
     args = p.parse_args()
     env = environment()
     print(f"# {env}")
     models = [m for m in MODELS if any(s.lower() in m.name.lower() for s in args.models)]
+    if args.profile:
+        profile_rows(models, args.tokens)
+        return
     rows = hf_rows(models, args.tokens)
     host = host_rows()
     print(f"\n{'HF grouped_mm backend':22s} {'T':>5s} {'pass':8s} {'plain compile':>13s} "
