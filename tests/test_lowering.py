@@ -269,7 +269,10 @@ def test_enable_runs_the_pass_in_default_inductor(monkeypatch):
         x = torch.randn(21, 16, generator=g).bfloat16()
         w = torch.randn(3, 8, 16, generator=g).bfloat16()
         offs = random_offsets(21, 3, generator=g)
-        out = torch.compile(lambda x, w, o: torch._grouped_mm(x, w.mT, offs=o))(x, w, offs)
+        # A warm compile cache would skip the pass (its uuid keys the cache): compile afresh.
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            out = torch.compile(lambda x, w, o: torch._grouped_mm(x, w.mT, offs=o))(x, w, offs)
         torch.testing.assert_close(out.double(), loop_grouped_mm(x, w.mT, offs), rtol=2e-2, atol=2e-2)
         assert spy.counts and spy.counts[0]["grouped_mm"] == 1
     finally:
