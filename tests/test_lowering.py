@@ -284,15 +284,17 @@ def test_enable_keeps_an_existing_pass(monkeypatch):
     from torch._inductor import config
 
     seen = []
-    monkeypatch.setattr(config, "pre_grad_custom_pass", seen.append)
-    try:
-        lowering.enable()
-        graph = torch.fx.Graph()
-        config.pre_grad_custom_pass(graph)
-        assert seen == [graph]
-    finally:
-        lowering.disable()
-    assert config.pre_grad_custom_pass == seen.append
+    # config.patch, not monkeypatch: inductor's config module restores its own entries.
+    with config.patch(pre_grad_custom_pass=seen.append):
+        try:
+            lowering.enable()
+            graph = torch.fx.Graph()
+            config.pre_grad_custom_pass(graph)
+            assert seen == [graph]
+        finally:
+            lowering.disable()
+        assert config.pre_grad_custom_pass == seen.append
+    assert config.pre_grad_custom_pass is None
 
 
 def test_unknown_torch_version_falls_back(monkeypatch):
