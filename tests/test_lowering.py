@@ -280,7 +280,7 @@ def test_enable_runs_the_pass_in_default_inductor(monkeypatch):
     assert not lowering.is_enabled() and config.pre_grad_custom_pass is None
 
 
-def test_enable_keeps_an_existing_pass(monkeypatch):
+def test_enable_keeps_an_existing_pass():
     from torch._inductor import config
 
     seen = []
