@@ -25,19 +25,31 @@ from common import MODELS, bench, environment, write_json
 from host_overhead import host_us
 
 
+def _hf_problem(shape, tokens_override):
+    """HF's experts module of a model shape and its inputs (bf16, skewed routing)."""
+    tokens = tokens_override or (8192 if shape.name.startswith("Qwen3") else shape.tokens)
+    torch.manual_seed(0)
+    mod = hf_experts_module(shape, torch.bfloat16)
+    ids, weights = skewed_topk(tokens, shape.experts, shape.top_k)
+    hidden = torch.randn(tokens, shape.hidden, device="cuda", dtype=torch.bfloat16,
+                         requires_grad=True)
+    return tokens, mod, hidden, ids, weights.to(torch.bfloat16), torch.randn_like(hidden)
+
+
+def _fwd_bwd(fn, mod, hidden, ids, weights, grad):
+    """One training step of an experts forward, gradients dropped after it."""
+    def step():
+        fn(hidden, ids, weights).backward(grad)
+        hidden.grad = mod.gate_up_proj.grad = mod.down_proj.grad = None
+    return step
+
+
 def hf_rows(models, tokens_override):
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     rows = []
     for shape in models:
-        tokens = tokens_override or (8192 if shape.name.startswith("Qwen3") else shape.tokens)
-        torch.manual_seed(0)
-        mod = hf_experts_module(shape, torch.bfloat16)
-        ids, weights = skewed_topk(tokens, shape.experts, shape.top_k)
-        weights = weights.to(torch.bfloat16)
-        hidden = torch.randn(tokens, shape.hidden, device="cuda", dtype=torch.bfloat16,
-                             requires_grad=True)
-        grad = torch.randn_like(hidden)
+        tokens, mod, hidden, ids, weights, grad = _hf_problem(shape, tokens_override)
 
         def hf(h, i, w):
             return grouped_mm_experts_forward(mod, h, i, w)
@@ -51,12 +63,7 @@ def hf_rows(models, tokens_override):
         for name, fn in variants.items():
             with torch.no_grad():
                 res[(name, "fwd")] = bench(lambda: fn(hidden, ids, weights))
-
-            def fwd_bwd():
-                fn(hidden, ids, weights).backward(grad)
-                hidden.grad = mod.gate_up_proj.grad = mod.down_proj.grad = None
-
-            res[(name, "fwd+bwd")] = bench(fwd_bwd)
+            res[(name, "fwd+bwd")] = bench(_fwd_bwd(fn, mod, hidden, ids, weights, grad))
         for pas in ("fwd", "fwd+bwd"):
             rows.append(dict(model=shape.name, tokens=tokens, pass_=pas, max_abs_diff=err,
                              plain_ms=res[("plain", pas)], pass_ms=res[("pass", pas)]))
@@ -70,14 +77,7 @@ def profile_rows(models, tokens_override, steps=5):
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     for shape in models:
-        tokens = tokens_override or (8192 if shape.name.startswith("Qwen3") else shape.tokens)
-        torch.manual_seed(0)
-        mod = hf_experts_module(shape, torch.bfloat16)
-        ids, weights = skewed_topk(tokens, shape.experts, shape.top_k)
-        weights = weights.to(torch.bfloat16)
-        hidden = torch.randn(tokens, shape.hidden, device="cuda", dtype=torch.bfloat16,
-                             requires_grad=True)
-        grad = torch.randn_like(hidden)
+        tokens, mod, hidden, ids, weights, grad = _hf_problem(shape, tokens_override)
         variants = {
             "HF grouped_mm, backend=compiled_moe": torch.compile(
                 lambda h, i, w: grouped_mm_experts_forward(mod, h, i, w), fullgraph=True,
@@ -87,10 +87,7 @@ def profile_rows(models, tokens_override, steps=5):
                 fullgraph=True),
         }
         for name, fn in variants.items():
-            def step():
-                fn(hidden, ids, weights).backward(grad)
-                hidden.grad = mod.gate_up_proj.grad = mod.down_proj.grad = None
-
+            step = _fwd_bwd(fn, mod, hidden, ids, weights, grad)
             for _ in range(3):
                 step()
             torch.cuda.synchronize()

@@ -42,18 +42,9 @@ def _x(tokens, seed):
 
 
 def test_hf_backend_under_compiled_moe_backend():
-    from test_lowering import _hf_forward
-    from transformers import Qwen3MoeConfig
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    from test_lowering import _hf_experts, _hf_forward
 
-    cfg = Qwen3MoeConfig(hidden_size=512, moe_intermediate_size=256, num_experts=32,
-                         num_experts_per_tok=4)
-    cfg._experts_implementation = "grouped_mm"
-    torch.manual_seed(0)
-    mod = Qwen3MoeExperts(cfg).to(DEV, torch.bfloat16)
-    with torch.no_grad():
-        mod.gate_up_proj.normal_(0, 512 ** -0.5)
-        mod.down_proj.normal_(0, 256 ** -0.5)
+    mod = _hf_experts(torch.bfloat16, experts=32, hidden=512, inter=256, k=4).to(DEV)
     torch._dynamo.reset()
     fn = torch.compile(_hf_forward(mod), backend="compiled_moe", fullgraph=True)
     for tokens in (1000, 2048):
