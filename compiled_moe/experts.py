@@ -15,6 +15,7 @@ from torch import Tensor
 from compiled_moe.reference import (ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS,
                                     GPT_OSS_ALPHA, GPT_OSS_LIMIT, check_recipe)
 from compiled_moe.fp8 import fp8_grouped_mm
+from compiled_moe.mlp import _needs_grad, activation_constants
 from compiled_moe.ops._dispatch import check_same_device, check_tensor
 
 
@@ -55,11 +56,8 @@ def _check_experts_args(hidden, topk_ids, topk_weights, w1, w2, activation, gate
 
 
 def _activation(h, activation, gate_up_layout, alpha, limit):
-    if activation != "gpt_oss" or (alpha == GPT_OSS_ALPHA and limit == GPT_OSS_LIMIT):
-        # The op's schema defaults: no Python floats reach the graph, which torch.compile
-        # (dynamic=True) would otherwise trace as symbolic inputs and restart its analysis for.
-        return torch.ops.compiled_moe.moe_activation(h, activation, gate_up_layout)
-    return torch.ops.compiled_moe.moe_activation(h, activation, gate_up_layout, alpha, limit)
+    return torch.ops.compiled_moe.moe_activation(h, activation, gate_up_layout,
+                                                 **activation_constants(activation, alpha, limit))
 
 
 def _grouped_linear(x, w, offs, bias, fp8_recipe):
@@ -73,7 +71,7 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
                 *, activation: str | Callable[[Tensor], Tensor] = "swiglu", gate_up_layout: str = "stacked",
                 b1: Tensor | None = None, b2: Tensor | None = None,
                 alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT,
-                fp8_recipe: str | None = None) -> Tensor:
+                fp8_recipe: str | None = None, fused: bool | None = None) -> Tensor:
     """Run every token through its top-k experts and sum the outputs with the routing weights.
 
     ``out[t] = sum_s topk_weights[t, s] * FC2_e(act(FC1_e(hidden[t])))`` with e = topk_ids[t, s].
@@ -95,6 +93,10 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
         fp8_recipe: None (GEMMs in hidden's dtype) or an FP8 recipe (``fp8_blockwise``,
             ``fp8_rowwise``, ``mxfp8``): both grouped GEMMs, forward and backward, run in FP8
             (see :func:`compiled_moe.fp8.fp8_grouped_mm`); weights stay in their dtype.
+        fused: run the fused MLP (:func:`compiled_moe.moe_mlp`'s kernels: FC1 reads hidden
+            rows through the routing map, the activation runs in FC1's epilogue, backward
+            keeps only FC1's output and fuses the activation backward into FC2's dgrad).
+            None (default) fuses whenever it applies: a named activation and no FP8 recipe.
 
     Returns:
         (T, H) in hidden's dtype. Differentiable in hidden, w1, w2, b1, b2 and topk_weights.
@@ -102,6 +104,18 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
     _check_experts_args(hidden, topk_ids, topk_weights, w1, w2, activation, gate_up_layout, b1, b2,
                         fp8_recipe)
     num_experts = w1.shape[0]
+    can_fuse = fp8_recipe is None and not callable(activation)
+    if fused and not can_fuse:
+        raise ValueError("fused=True needs a named activation and no fp8_recipe")
+    if fused is None:
+        fused = can_fuse
+    if fused:
+        offs, row_of, source = torch.ops.compiled_moe.moe_route(topk_ids, num_experts, 1)
+        y, _ = torch.ops.compiled_moe.moe_mlp(
+            hidden, offs, w1, w2, activation, gate_up_layout, b1=b1, b2=b2, source=source,
+            row_of=row_of, save_h=_needs_grad(hidden, w1, w2, b1, b2, topk_weights),
+            **activation_constants(activation, alpha, limit))
+        return torch.ops.compiled_moe.moe_unpermute(y, row_of, source, topk_weights)
     # FP8: groups start on 16-row boundaries, so the FP8 weight-gradient kernel reads by TMA.
     pad = 1 if fp8_recipe is None else 16
     offs, row_of, source = torch.ops.compiled_moe.moe_route(topk_ids, num_experts, pad)

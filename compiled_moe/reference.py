@@ -263,6 +263,45 @@ def activation_backward(grad: Tensor, h: Tensor, name: str, gate_up_layout: str 
     return out.to(h.dtype)
 
 
+def moe_mlp(x: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, name: str,
+            gate_up_layout: str = "stacked", probs: Tensor | None = None,
+            b1: Tensor | None = None, b2: Tensor | None = None, source: Tensor | None = None,
+            top_k: int = 1, alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT
+            ) -> tuple[Tensor, Tensor]:
+    """The expert MLP on expert-sorted rows: ``(y, h)``.
+
+    h = x_s @ w1[g]^T (+ b1[g]) with x_s = x, or x[source // top_k] (zero where source < 0);
+    y = (act(h) * probs) @ w2[g]^T (+ b2[g]). w1 (G, N1, K), w2 (G, H, I): nn.Linear layout.
+    """
+    xs = x if source is None else moe_permute(x, source, top_k)
+    h = grouped_mm(xs, w1.transpose(-2, -1), offs, b1)
+    a = activation(h, name, gate_up_layout, alpha, limit)
+    if probs is not None:
+        cdt = _compute_dtype(a.dtype)
+        a = (a.to(cdt) * probs.to(cdt)[:, None]).to(a.dtype)
+    return grouped_mm(a, w2.transpose(-2, -1), offs, b2), h
+
+
+def moe_mlp_fc2_dgrad(dy: Tensor, w2: Tensor, h: Tensor, offs: Tensor, probs: Tensor | None,
+                      name: str, gate_up_layout: str = "stacked", alpha: float = GPT_OSS_ALPHA,
+                      limit: float = GPT_OSS_LIMIT) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Backward of :func:`moe_mlp` from dy to h: ``(dh, a, dprobs)``.
+
+    da = dy @ w2[g] (fp32); dprobs = <da, act(h)> per row (None without probs); dh is the
+    activation's gradient at h times da * probs; a = act(h) * probs, FC2's input (for its
+    weight gradient), recomputed from h.
+    """
+    cdt = _compute_dtype(h.dtype)
+    da = grouped_mm(dy, w2, offs, out_dtype=cdt)
+    a = activation(h.to(cdt), name, gate_up_layout, alpha, limit)
+    dprobs = None
+    if probs is not None:
+        dprobs = (da * a).sum(1)
+        p = probs.to(cdt)[:, None]
+        da, a = da * p, a * p
+    return activation_backward(da, h, name, gate_up_layout, alpha, limit), a.to(h.dtype), dprobs
+
+
 # ---------------------------------------------------------------------------------------------
 # FP8: grouped quantize and scaled grouped GEMMs
 # ---------------------------------------------------------------------------------------------

@@ -113,6 +113,36 @@ def grouped_mm_wgrad_config(rows_per_group: int, k: int, n: int, dtype: torch.dt
 
 
 @functools.lru_cache(maxsize=None)
+def mlp_fc1_config(inter: int, k: int, gated: bool, dtype: torch.dtype,
+                   device_type: str) -> TileConfig:
+    """Tile of the fused FC1 (kernels/moe_mlp.py): BLOCK_M rows x BLOCK_N activation columns.
+
+    Gated activations compute BLOCK_N gate and BLOCK_N up columns per program, so BLOCK_N is
+    half the grouped GEMM's 256-column tile: the same accumulator size.
+    """
+    def heuristic():
+        if dtype == torch.float32:
+            return TileConfig(block_m=128, block_n=64 if gated else 128, block_k=32,
+                              num_warps=8, num_stages=3)
+        return TileConfig(block_m=128, block_n=128 if gated else 256, block_k=64, num_warps=8,
+                          num_stages=3)
+
+    return _choose("mlp_fc1", (inter, k, gated, str(dtype)), device_type, heuristic)
+
+
+@functools.lru_cache(maxsize=None)
+def mlp_fc2_dgrad_config(inter: int, dtype: torch.dtype, device_type: str) -> TileConfig:
+    """Tile of FC2's input gradient with the activation backward in its epilogue: BLOCK_N
+    columns of I, whose gate and up values the epilogue reads from h."""
+    def heuristic():
+        if dtype == torch.float32:
+            return TileConfig(block_m=128, block_n=64, block_k=32, num_warps=8, num_stages=3)
+        return TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+    return _choose("mlp_fc2_dgrad", (inter, str(dtype)), device_type, heuristic)
+
+
+@functools.lru_cache(maxsize=None)
 def grouped_sum_config(n: int, device_type: str) -> TileConfig:
     """Tile of the grouped row sum (bias gradient): one program per (group, BLOCK_N columns)."""
     if device_type != "cuda":

@@ -54,6 +54,37 @@ def _pick(g_vec, g, values):
 
 
 @triton.jit
+def _row_tile_schedule(offs_ptr, G, M, N, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """The flat tile list of a grouped product over row groups: every group's (m, n) tiles in
+    group order. Returns what :func:`_row_tile` needs, plus the number of tiles and the first
+    row past the last group."""
+    g_vec, starts, ends = _group_bounds(offs_ptr, G, M, G_PAD)
+    m_tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    num_n = tl.cdiv(N, BLOCK_N)
+    tiles = m_tiles * num_n
+    tile_ends = tl.cumsum(tiles, 0)
+    return g_vec, starts, ends, m_tiles, tiles, tile_ends, num_n, tl.sum(tiles, 0), tl.max(ends, 0)
+
+
+@triton.jit
+def _row_tile(tile, g_vec, starts, ends, m_tiles, tiles, tile_ends, num_n,
+              BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """(group, first row, group's end row, column tile) of one entry of the flat tile list."""
+    g = tl.sum((tile_ends <= tile).to(tl.int32), 0)
+    local = tile - _pick(g_vec, g, tile_ends - tiles)
+    group_m_tiles = _pick(g_vec, g, m_tiles)
+    # Bands of GROUP_M row tiles share their b columns in L2.
+    band_tiles = GROUP_M * num_n
+    first_m = (local // band_tiles) * GROUP_M
+    band_m = tl.minimum(group_m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (local % band_tiles) % band_m
+    pid_n = (local % band_tiles) // band_m
+    row0 = _pick(g_vec, g, starts) + pid_m * BLOCK_M
+    return g, row0, _pick(g_vec, g, ends), pid_n
+
+
+@triton.jit
 def _store_rows(out_ptr, rm, rn, row_end, N, stride_om, stride_on, c):
     """Masked store of a tile: rows below row_end, columns below N."""
     ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on
@@ -86,14 +117,8 @@ def _grouped_mm_kernel(
     SMs whatever the group sizes (skewed routing costs only the one partial M tile per group).
     """
     pid = tl.program_id(0)
-    g_vec, starts, ends = _group_bounds(offs_ptr, G, M, G_PAD)
-    sizes = ends - starts
-    num_n = tl.cdiv(N, BLOCK_N)
-    m_tiles = (sizes + BLOCK_M - 1) // BLOCK_M
-    tiles = m_tiles * num_n
-    tile_ends = tl.cumsum(tiles, 0)
-    group_tiles = tl.sum(tiles, 0)
-    rows_end = tl.max(ends, 0)
+    g_vec, starts, ends, m_tiles, tiles, tile_ends, num_n, group_tiles, rows_end = \
+        _row_tile_schedule(offs_ptr, G, M, N, G_PAD, BLOCK_M, BLOCK_N)
     tail_tiles = tl.cdiv(M - rows_end, BLOCK_M) * num_n
 
     if USE_TMA:
@@ -114,19 +139,8 @@ def _grouped_mm_kernel(
     # WARP_SPECIALIZE 1 splits the K loop, 2 this loop, into producer and consumer warps.
     # (Triton 3.6 fails to compile this loop with flatten=True.)
     for tile in tl.range(pid, group_tiles, NUM_SMS, warp_specialize=WARP_SPECIALIZE == 2):
-        g = tl.sum((tile_ends <= tile).to(tl.int32), 0)
-        local = tile - _pick(g_vec, g, tile_ends - tiles)
-        m_start = _pick(g_vec, g, starts)
-        m_end = _pick(g_vec, g, ends)
-        group_m_tiles = _pick(g_vec, g, m_tiles)
-        # Bands of GROUP_M row tiles share their b columns in L2.
-        band_tiles = GROUP_M * num_n
-        first_m = (local // band_tiles) * GROUP_M
-        band_m = tl.minimum(group_m_tiles - first_m, GROUP_M)
-        pid_m = first_m + (local % band_tiles) % band_m
-        pid_n = (local % band_tiles) // band_m
-
-        row0 = m_start + pid_m * BLOCK_M
+        g, row0, m_end, pid_n = _row_tile(tile, g_vec, starts, ends, m_tiles, tiles, tile_ends,
+                                          num_n, BLOCK_M, GROUP_M)
         col0 = pid_n * BLOCK_N
         rm = row0 + tl.arange(0, BLOCK_M)
         rn = col0 + tl.arange(0, BLOCK_N)

@@ -1,0 +1,385 @@
+"""Triton kernels of the fused MoE MLP: the two GEMMs that carry the activation in their epilogues.
+
+mlp_fc1:        h = x[rows] @ w1[g]^T (+ b1[g]);  out = act(h) (* probs)      forward
+                x rows are read through the routing map (no permuted copy of the input), and
+                the gate and up columns of one output index come out of the same program, so
+                the activation runs on the accumulators before anything is written.
+mlp_fc2_dgrad:  da = dy @ w2[g];  dh = act'(h) * (da * probs);  a = act(h) * probs;
+                dprobs = <da, act(h)>                                          backward
+                FC2's input gradient with the activation backward in its epilogue; the
+                activation is recomputed from FC1's saved pre-activation h, not stored.
+
+Both use the persistent, device-side tile schedule of the grouped GEMM (kernels/grouped_mm.py)
+and, like every kernel of the package, write zeros in rows past offs[-1].
+h holds FC1's output rounded to the input dtype, and the activation is computed from those
+rounded values: the forward and the recomputation in backward see the same numbers, and the
+results match the unfused path (grouped_mm, then moe_activation).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from compiled_moe.kernels.activations import (CODES, GATED, gated_backward, gated_forward,
+                                              plain_backward, plain_forward)
+from compiled_moe.kernels.configs import mlp_fc1_config, mlp_fc2_dgrad_config, size_hint
+from compiled_moe.kernels.grouped_mm import (_device_index, _input_precision, _num_sms,
+                                             _pad_groups, _row_tile, _row_tile_schedule,
+                                             _store_rows, _use_tma)
+
+
+@triton.jit
+def _load_gate_up(h_ptr, rm, row_ok, col0, I, stride_hm, GATED: tl.constexpr,
+                  INTERLEAVED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Gate and up values (fp32) of output columns col0 + [0, BLOCK_N) from an FC1 output."""
+    rows = rm[:, None].to(tl.int64) * stride_hm
+    cols = col0 + tl.arange(0, BLOCK_N)
+    if GATED and INTERLEAVED:  # one contiguous load of 2 * BLOCK_N columns, then split
+        wide = 2 * col0 + tl.arange(0, 2 * BLOCK_N)
+        hw = tl.load(h_ptr + rows + wide[None, :], mask=row_ok[:, None] & (wide[None, :] < 2 * I),
+                     other=0.0)
+        g, u = tl.split(hw.to(tl.float32).reshape(hw.shape[0], BLOCK_N, 2))
+    else:
+        mask = row_ok[:, None] & (cols[None, :] < I)
+        g = tl.load(h_ptr + rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = g
+        if GATED:
+            u = tl.load(h_ptr + rows + I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return g, u
+
+
+@triton.jit
+def _store_gate_up(out_ptr, rm, row_end, col0, I, stride_om, g, u, GATED: tl.constexpr,
+                   INTERLEAVED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Write gate and up tiles (BLOCK_M, BLOCK_N) to their columns of an (M, N1) tensor."""
+    cols = col0 + tl.arange(0, BLOCK_N)
+    if GATED and INTERLEAVED:
+        wide = tl.join(g, u).reshape(g.shape[0], 2 * BLOCK_N)
+        _store_rows(out_ptr, rm, 2 * col0 + tl.arange(0, 2 * BLOCK_N), row_end, 2 * I,
+                    stride_om, 1, wide.to(out_ptr.dtype.element_ty))
+    else:
+        _store_rows(out_ptr, rm, cols, row_end, I, stride_om, 1, g.to(out_ptr.dtype.element_ty))
+        if GATED:
+            _store_rows(out_ptr + I, rm, cols, row_end, I, stride_om, 1,
+                        u.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _mlp_fc1_kernel(
+    x_ptr, source_ptr, w_ptr, bias_ptr, probs_ptr, h_ptr, out_ptr, offs_ptr,
+    M, I, K, G, top_k, alpha, limit,
+    stride_xm, stride_xk,
+    stride_wg, stride_wn, stride_wk,
+    stride_hm, stride_om, stride_bias_g,
+    G_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, W_COLS: tl.constexpr,
+    GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, STORE_H: tl.constexpr,
+    TMA_X: tl.constexpr, TMA_W: tl.constexpr, W_K_CONTIGUOUS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """out (M, I) = act(x[rows] @ w[g]^T + bias[g]) (* probs); h (M, N1) the pre-activation.
+
+    w is FC1's weight (G, N1, K), any strides. GATHER: sorted row r reads x[source[r] // top_k]
+    (zeros where source[r] < 0); else row r reads x[r]. Programs own BLOCK_N output columns
+    and compute the gate and the up columns that feed them: W_COLS = 2 * BLOCK_N contiguous
+    weight rows for interleaved gate/up, BLOCK_N rows at col0 and at I + col0 for stacked.
+    """
+    pid = tl.program_id(0)
+    N1 = 2 * I if GATED else I
+    g_vec, starts, ends, m_tiles, tiles, tile_ends, num_n, group_tiles, rows_end = \
+        _row_tile_schedule(offs_ptr, G, M, I, G_PAD, BLOCK_M, BLOCK_N)
+    if TMA_X:
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+    if TMA_W:
+        if W_K_CONTIGUOUS:
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, N1, K],
+                                               strides=[stride_wg, stride_wn, 1],
+                                               block_shape=[1, W_COLS, BLOCK_K])
+        else:
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, K, N1],
+                                               strides=[stride_wg, stride_wk, 1],
+                                               block_shape=[1, BLOCK_K, W_COLS])
+
+    for tile in tl.range(pid, group_tiles, NUM_SMS):
+        g, row0, m_end, pid_n = _row_tile(tile, g_vec, starts, ends, m_tiles, tiles, tile_ends,
+                                          num_n, BLOCK_M, GROUP_M)
+        col0 = pid_n * BLOCK_N
+        wn0 = 2 * col0 if (GATED and INTERLEAVED) else col0
+        rm = row0 + tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        rw = tl.arange(0, W_COLS)
+        row_ok = rm < m_end
+        if GATHER:
+            src = tl.load(source_ptr + rm, mask=row_ok, other=-1)
+            row_ok = src >= 0
+            x_rows = tl.maximum(src, 0) // top_k
+        else:
+            x_rows = rm
+        acc_g = tl.zeros((BLOCK_M, W_COLS), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, W_COLS), dtype=tl.float32)
+        w_base = w_ptr + g.to(tl.int64) * stride_wg
+        for k0 in range(0, K, BLOCK_K):
+            if TMA_X:
+                # Rows of the next group ride along in the last M tile; they are not stored.
+                a = x_desc.load([row0, k0])
+            else:
+                a = tl.load(x_ptr + x_rows[:, None].to(tl.int64) * stride_xm
+                            + (k0 + rk)[None, :] * stride_xk,
+                            mask=row_ok[:, None] & (k0 + rk[None, :] < K), other=0.0)
+            if TMA_W:
+                if W_K_CONTIGUOUS:
+                    wg = w_desc.load([g, wn0, k0]).reshape(W_COLS, BLOCK_K).T
+                else:
+                    wg = w_desc.load([g, k0, wn0]).reshape(BLOCK_K, W_COLS)
+            else:
+                w_ptrs = w_base + (wn0 + rw)[None, :] * stride_wn + (k0 + rk)[:, None] * stride_wk
+                wg = tl.load(w_ptrs, mask=(wn0 + rw[None, :] < N1) & (k0 + rk[:, None] < K),
+                             other=0.0)
+            acc_g = tl.dot(a, wg, acc_g, input_precision=INPUT_PRECISION)
+            if GATED and not INTERLEAVED:
+                if TMA_W:
+                    if W_K_CONTIGUOUS:
+                        wu = w_desc.load([g, I + col0, k0]).reshape(W_COLS, BLOCK_K).T
+                    else:
+                        wu = w_desc.load([g, k0, I + col0]).reshape(BLOCK_K, W_COLS)
+                else:
+                    wu = tl.load(w_ptrs + I * stride_wn,
+                                 mask=(I + col0 + rw[None, :] < N1) & (k0 + rk[:, None] < K),
+                                 other=0.0)
+                acc_u = tl.dot(a, wu, acc_u, input_precision=INPUT_PRECISION)
+
+        if HAS_BIAS:
+            bias_row = bias_ptr + g.to(tl.int64) * stride_bias_g
+            acc_g += tl.load(bias_row + wn0 + rw, mask=wn0 + rw < N1, other=0.0).to(tl.float32)[None, :]
+            if GATED and not INTERLEAVED:
+                acc_u += tl.load(bias_row + I + col0 + rw, mask=I + col0 + rw < N1,
+                                 other=0.0).to(tl.float32)[None, :]
+        # Round to the input dtype first: the activation sees what h holds (see module doc).
+        hg = acc_g.to(h_ptr.dtype.element_ty).to(tl.float32)
+        hu = acc_u.to(h_ptr.dtype.element_ty).to(tl.float32)
+        if GATED and INTERLEAVED:
+            hg, hu = tl.split(hg.reshape(BLOCK_M, BLOCK_N, 2))
+        if STORE_H:
+            _store_gate_up(h_ptr, rm, m_end, col0, I, stride_hm, hg, hu, GATED, INTERLEAVED,
+                           BLOCK_N)
+        if GATED:
+            act = gated_forward(hg, hu, ACT, alpha, limit)
+        else:
+            act = plain_forward(hg, ACT)
+        if HAS_PROBS:
+            p = tl.load(probs_ptr + rm, mask=rm < m_end, other=0.0).to(tl.float32)
+            act = act * p[:, None]
+        _store_rows(out_ptr, rm, col0 + tl.arange(0, BLOCK_N), m_end, I, stride_om, 1,
+                    act.to(out_ptr.dtype.element_ty))
+
+    # Rows past the last group are zeros.
+    tail_tiles = tl.cdiv(M - rows_end, BLOCK_M) * num_n
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for local in range(pid, tail_tiles, NUM_SMS):
+        rm = rows_end + (local // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        col0 = (local % num_n) * BLOCK_N
+        if STORE_H:
+            _store_gate_up(h_ptr, rm, M, col0, I, stride_hm, zeros, zeros, GATED, INTERLEAVED,
+                           BLOCK_N)
+        _store_rows(out_ptr, rm, col0 + tl.arange(0, BLOCK_N), M, I, stride_om, 1,
+                    zeros.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _mlp_fc2_dgrad_kernel(
+    dy_ptr, w_ptr, h_ptr, probs_ptr, dh_ptr, a_ptr, dprobs_ptr, offs_ptr,
+    M, I, K, G, alpha, limit,
+    stride_dym, stride_dyk,
+    stride_wg, stride_wk, stride_wn,
+    stride_hm, stride_dhm, stride_am, stride_pm,
+    G_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PROBS: tl.constexpr,
+    TMA_DY: tl.constexpr, TMA_W: tl.constexpr, W_K_CONTIGUOUS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """da = dy (M, K) @ w[g] (K, I) per group, then in the epilogue, from h (M, N1):
+    dh = act'(h) * da * probs, a = act(h) * probs (FC2's weight-gradient operand) and the
+    partial dot <da, act(h)> of every row over this program's columns (dprobs[r, pid_n]).
+
+    w is FC2's weight seen as (G, K=H, N=I): the (G, H, I) nn.Linear tensor itself.
+    """
+    pid = tl.program_id(0)
+    g_vec, starts, ends, m_tiles, tiles, tile_ends, num_n, group_tiles, rows_end = \
+        _row_tile_schedule(offs_ptr, G, M, I, G_PAD, BLOCK_M, BLOCK_N)
+    if TMA_DY:
+        dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[M, K], strides=[stride_dym, 1],
+                                            block_shape=[BLOCK_M, BLOCK_K])
+    if TMA_W:
+        if W_K_CONTIGUOUS:
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, I, K],
+                                               strides=[stride_wg, stride_wn, 1],
+                                               block_shape=[1, BLOCK_N, BLOCK_K])
+        else:
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, K, I],
+                                               strides=[stride_wg, stride_wk, 1],
+                                               block_shape=[1, BLOCK_K, BLOCK_N])
+
+    for tile in tl.range(pid, group_tiles, NUM_SMS):
+        g, row0, m_end, pid_n = _row_tile(tile, g_vec, starts, ends, m_tiles, tiles, tile_ends,
+                                          num_n, BLOCK_M, GROUP_M)
+        col0 = pid_n * BLOCK_N
+        rm = row0 + tl.arange(0, BLOCK_M)
+        rn = col0 + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        row_ok = rm < m_end
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        w_base = w_ptr + g.to(tl.int64) * stride_wg
+        for k0 in range(0, K, BLOCK_K):
+            if TMA_DY:
+                d = dy_desc.load([row0, k0])
+            else:
+                d = tl.load(dy_ptr + rm[:, None].to(tl.int64) * stride_dym
+                            + (k0 + rk)[None, :] * stride_dyk,
+                            mask=row_ok[:, None] & (k0 + rk[None, :] < K), other=0.0)
+            if TMA_W:
+                if W_K_CONTIGUOUS:
+                    w = w_desc.load([g, col0, k0]).reshape(BLOCK_N, BLOCK_K).T
+                else:
+                    w = w_desc.load([g, k0, col0]).reshape(BLOCK_K, BLOCK_N)
+            else:
+                w = tl.load(w_base + (k0 + rk)[:, None] * stride_wk + rn[None, :] * stride_wn,
+                            mask=(k0 + rk[:, None] < K) & (rn[None, :] < I), other=0.0)
+            acc = tl.dot(d, w, acc, input_precision=INPUT_PRECISION)
+
+        hg, hu = _load_gate_up(h_ptr, rm, row_ok, col0, I, stride_hm, GATED, INTERLEAVED, BLOCK_N)
+        if GATED:
+            act = gated_forward(hg, hu, ACT, alpha, limit)
+        else:
+            act = plain_forward(hg, ACT)
+        if HAS_PROBS:
+            p = tl.load(probs_ptr + rm, mask=row_ok, other=0.0).to(tl.float32)
+            tl.store(dprobs_ptr + rm.to(tl.int64) * stride_pm + pid_n, tl.sum(acc * act, 1),
+                     mask=row_ok)
+            acc = acc * p[:, None]
+            act = act * p[:, None]
+        if GATED:
+            dg, du = gated_backward(hg, hu, acc, ACT, alpha, limit)
+        else:
+            dg = plain_backward(hg, acc, ACT)
+            du = dg
+        _store_gate_up(dh_ptr, rm, m_end, col0, I, stride_dhm, dg, du, GATED, INTERLEAVED,
+                       BLOCK_N)
+        _store_rows(a_ptr, rm, rn, m_end, I, stride_am, 1, act.to(a_ptr.dtype.element_ty))
+
+    tail_tiles = tl.cdiv(M - rows_end, BLOCK_M) * num_n
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for local in range(pid, tail_tiles, NUM_SMS):
+        rm = rows_end + (local // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        pid_n = local % num_n
+        col0 = pid_n * BLOCK_N
+        _store_gate_up(dh_ptr, rm, M, col0, I, stride_dhm, zeros, zeros, GATED, INTERLEAVED,
+                       BLOCK_N)
+        _store_rows(a_ptr, rm, col0 + tl.arange(0, BLOCK_N), M, I, stride_am, 1,
+                    zeros.to(a_ptr.dtype.element_ty))
+        if HAS_PROBS:
+            tl.store(dprobs_ptr + rm.to(tl.int64) * stride_pm + pid_n,
+                     tl.zeros((BLOCK_M,), dtype=tl.float32), mask=rm < M)
+
+
+# ----------------------------------------------------------------------------------------
+# Launchers
+
+
+def _weight_k_contiguous(w: torch.Tensor) -> bool:
+    """w (G, N, K): True for an nn.Linear-style tensor (K innermost), False for a transposed view."""
+    return w.stride(2) == 1 and w.stride(1) != 1
+
+
+def mlp_fc1(x: torch.Tensor, source: torch.Tensor | None, top_k: int, w1: torch.Tensor,
+            offs: torch.Tensor, bias: torch.Tensor | None, probs: torch.Tensor | None,
+            h: torch.Tensor | None, out: torch.Tensor, activation: str, gate_up_layout: str,
+            alpha: float, limit: float) -> None:
+    """out (M, I) = act(x[rows] @ w1[g]^T (+ bias[g])) (* probs); h (M, N1) when given.
+
+    w1: (G, N1, K), any strides. source: (M,) with rows read from x[source // top_k], or None
+    (x is already sorted, M rows)."""
+    M, inter = out.shape
+    K = x.shape[1]
+    G, n1, _ = w1.shape
+    G = int(G)  # specialised under torch.compile: G_PAD is a constexpr
+    if M == 0 or inter == 0:
+        return
+    act = CODES[activation]
+    gated = act in GATED
+    interleaved = gated and gate_up_layout == "interleaved"
+    offs = offs.contiguous()
+    cfg = mlp_fc1_config(size_hint(inter), size_hint(K), gated, x.dtype, x.device.type)
+    w_cols = 2 * cfg.block_n if interleaved else cfg.block_n
+    k_contig = _weight_k_contiguous(w1)
+    w_inner = w1 if k_contig else w1.transpose(1, 2)
+    tma_x = K > 0 and source is None and _use_tma(x)
+    tma_w = K > 0 and _use_tma(w_inner)
+    num_programs = _num_sms(_device_index(x)) * cfg.ctas_per_sm
+    wrap_triton(_mlp_fc1_kernel)[(num_programs,)](
+        x, source if source is not None else offs, w1, bias if bias is not None else out,
+        probs if probs is not None else out, h if h is not None else out, out, offs,
+        M, inter, K, G, top_k, float(alpha), float(limit),
+        x.stride(0), x.stride(1),
+        w1.stride(0), w1.stride(1), w1.stride(2),
+        h.stride(0) if h is not None else 0, out.stride(0),
+        bias.stride(0) if bias is not None else 0,
+        G_PAD=_pad_groups(G),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        NUM_SMS=num_programs, ACT=act, GATED=gated, INTERLEAVED=interleaved, W_COLS=w_cols,
+        GATHER=source is not None, HAS_BIAS=bias is not None, HAS_PROBS=probs is not None,
+        STORE_H=h is not None, TMA_X=tma_x, TMA_W=tma_w, W_K_CONTIGUOUS=k_contig,
+        INPUT_PRECISION=_input_precision(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def mlp_fc2_dgrad_columns(inter: int, dtype: torch.dtype, device_type: str) -> int:
+    """Column tiles of mlp_fc2_dgrad: the width of its partial dprobs (M, tiles)."""
+    return triton.cdiv(inter, mlp_fc2_dgrad_config(size_hint(inter), dtype, device_type).block_n)
+
+
+def mlp_fc2_dgrad(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, offs: torch.Tensor,
+                  probs: torch.Tensor | None, dh: torch.Tensor, a: torch.Tensor,
+                  dprobs_partial: torch.Tensor | None, activation: str, gate_up_layout: str,
+                  alpha: float, limit: float) -> None:
+    """dh (M, N1), a (M, I) and dprobs_partial (M, tiles) from dy (M, H), w2 (G, H, I), h."""
+    M, inter = a.shape
+    K = dy.shape[1]
+    G = int(w2.shape[0])
+    if M == 0 or inter == 0:
+        return
+    act = CODES[activation]
+    gated = act in GATED
+    offs = offs.contiguous()
+    cfg = mlp_fc2_dgrad_config(size_hint(inter), dy.dtype, dy.device.type)
+    # w2 (G, H, I) is B = (G, K, N); its inner dimension is I for an nn.Linear tensor.
+    k_contig = w2.stride(1) == 1 and w2.stride(2) != 1
+    w_inner = w2.transpose(1, 2) if k_contig else w2
+    tma_dy = K > 0 and _use_tma(dy)
+    tma_w = K > 0 and _use_tma(w_inner)
+    num_programs = _num_sms(_device_index(dy)) * cfg.ctas_per_sm
+    has_probs = probs is not None
+    wrap_triton(_mlp_fc2_dgrad_kernel)[(num_programs,)](
+        dy, w2, h, probs if has_probs else dy, dh, a,
+        dprobs_partial if has_probs else dy, offs,
+        M, inter, K, G, float(alpha), float(limit),
+        dy.stride(0), dy.stride(1),
+        w2.stride(0), w2.stride(1), w2.stride(2),
+        h.stride(0), dh.stride(0), a.stride(0),
+        dprobs_partial.stride(0) if has_probs else 0,
+        G_PAD=_pad_groups(G),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        NUM_SMS=num_programs, ACT=act, GATED=gated,
+        INTERLEAVED=gated and gate_up_layout == "interleaved", HAS_PROBS=has_probs,
+        TMA_DY=tma_dy, TMA_W=tma_w, W_K_CONTIGUOUS=k_contig,
+        INPUT_PRECISION=_input_precision(dy.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )

@@ -1,0 +1,231 @@
+"""The fused expert MLP op: schema, fake, autograd and device dispatch, side by side.
+
+torch.ops.compiled_moe.moe_mlp             (y, h): FC1 -> activation (* probs) -> FC2 on
+                                           expert-sorted rows, optionally gathered from tokens
+torch.ops.compiled_moe.moe_mlp_fc2_dgrad   (dh, a, dprobs): FC2's input gradient with the
+                                           activation backward fused into its epilogue
+
+Forward is two kernels: the fused FC1 (gather, gate and up, bias, activation, probs; the
+activation never goes through memory as FC1 output and back) and the grouped GEMM for FC2.
+Backward keeps only h (FC1's pre-activation): the activation is recomputed in FC2's dgrad
+epilogue, which also writes FC2's weight-gradient operand and the gradient of probs.
+The other backward GEMMs are the grouped GEMM ops. ``triton_op``s: on CUDA the bodies
+launch Triton kernels; elsewhere they run the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from compiled_moe import reference
+from compiled_moe.ops._dispatch import check_offs, check_same_device, check_same_dtype, check_tensor, use_kernel
+from compiled_moe.reference import ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS
+
+
+def _kernels():
+    from compiled_moe.kernels import moe_mlp as kernels  # Triton loads only when needed
+    return kernels
+
+
+def _inter(w1: Tensor, activation: str):
+    return w1.shape[1] // 2 if activation in GATED_ACTIVATIONS else w1.shape[1]
+
+
+def _check(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, source, row_of) -> None:
+    check_tensor("x", x, 2)
+    check_tensor("w1", w1, 3)
+    check_tensor("w2", w2, 3)
+    check_same_dtype("x", x, w1=w1, w2=w2)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if gate_up_layout not in GATE_UP_LAYOUTS:
+        raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
+    num_groups, n1, k1 = w1.shape
+    check_offs(offs, num_groups)
+    hidden = x.shape[1]
+    if k1 != hidden:
+        raise ValueError(f"w1 must be (G, N1, H) with H = {hidden} (nn.Linear layout), "
+                         f"got {tuple(w1.shape)}")
+    if activation in GATED_ACTIVATIONS and n1 % 2:
+        raise ValueError(f"w1's dim 1 must be even (gate and up) for {activation}, got {n1}")
+    inter = _inter(w1, activation)
+    if tuple(w2.shape) != (num_groups, hidden, inter):
+        raise ValueError(f"w2 must be (G, H, I) = ({num_groups}, {hidden}, {inter}), "
+                         f"got {tuple(w2.shape)}")
+    if (source is None) != (row_of is None):
+        raise ValueError("source and row_of come together (from moe_route), or neither")
+    if source is not None:
+        check_tensor("source", source, 1, (torch.int32,))
+        check_tensor("row_of", row_of, 2, (torch.int32,))
+        if row_of.shape[0] != x.shape[0]:
+            raise ValueError(f"x has {x.shape[0]} tokens but row_of is {tuple(row_of.shape)}")
+    rows = x.shape[0] if source is None else source.shape[0]
+    if probs is not None:
+        check_tensor("probs", probs, 1, None)
+        if not probs.is_floating_point():
+            raise TypeError(f"probs must be a floating-point tensor, got {probs.dtype}")
+        if probs.shape[0] != rows:
+            raise ValueError(f"probs must be ({rows},), one per sorted row, got {tuple(probs.shape)}")
+    if b1 is not None:
+        check_tensor("b1", b1, 2)
+        if tuple(b1.shape) != (num_groups, n1):
+            raise ValueError(f"b1 must be (G, N1) = ({num_groups}, {n1}), got {tuple(b1.shape)}")
+    if b2 is not None:
+        check_tensor("b2", b2, 2)
+        if tuple(b2.shape) != (num_groups, hidden):
+            raise ValueError(f"b2 must be (G, H) = ({num_groups}, {hidden}), got {tuple(b2.shape)}")
+    check_same_device("x", x, offs=offs, w1=w1, w2=w2, probs=probs, b1=b1, b2=b2, source=source,
+                      row_of=row_of)
+
+
+def _outputs(x, w1, activation, source, save_h):
+    rows = x.shape[0] if source is None else source.shape[0]
+    h = x.new_empty((rows if save_h else 0, w1.shape[1]))
+    return x.new_empty((rows, x.shape[1])), h
+
+
+# ---------------------------------------------------------------------------- moe_mlp
+
+
+@torch.library.triton_op("compiled_moe::moe_mlp", mutates_args=())
+def _moe_mlp(x: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, activation: str,
+             gate_up_layout: str = "stacked", probs: Optional[Tensor] = None,
+             b1: Optional[Tensor] = None, b2: Optional[Tensor] = None,
+             source: Optional[Tensor] = None, row_of: Optional[Tensor] = None,
+             alpha: float = reference.GPT_OSS_ALPHA, limit: float = reference.GPT_OSS_LIMIT,
+             save_h: bool = True) -> tuple[Tensor, Tensor]:
+    _check(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, source, row_of)
+    top_k = 1 if row_of is None else row_of.shape[1]
+    if not use_kernel(x):
+        y, h = reference.moe_mlp(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2,
+                                 source, top_k, alpha, limit)
+        return y, (h if save_h else h[:0])
+    from compiled_moe.kernels import grouped_mm as gmm
+
+    y, h = _outputs(x, w1, activation, source, save_h)
+    a = x.new_empty((y.shape[0], w2.shape[2]))
+    _kernels().mlp_fc1(x, source, top_k, w1, offs, b1,
+                       None if probs is None else probs.contiguous(), h if save_h else None, a,
+                       activation, gate_up_layout, alpha, limit)
+    gmm.grouped_mm(a, w2.transpose(-2, -1), offs, b2, y)
+    return y, h
+
+
+@_moe_mlp.register_fake
+def _(x, offs, w1, w2, activation, gate_up_layout="stacked", probs=None, b1=None, b2=None,
+      source=None, row_of=None, alpha=reference.GPT_OSS_ALPHA, limit=reference.GPT_OSS_LIMIT,
+      save_h=True):
+    _check(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, source, row_of)
+    return _outputs(x, w1, activation, source, save_h)
+
+
+def _setup(ctx, inputs, output):
+    (x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, source, row_of, alpha, limit,
+     save_h) = inputs
+    _, h = output
+    ctx.mark_non_differentiable(h)
+    ctx.save_for_backward(x, offs, w1, w2, probs, source, row_of, h)
+    ctx.args = (activation, gate_up_layout, alpha, limit)
+    ctx.save_h = save_h
+    ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
+
+
+def _weight_grad(d: Tensor, a: Tensor, offs: Tensor, w: Tensor) -> Tensor:
+    """Per-group d_g^T @ a_g shaped like w (G, P, Q), written in w's own storage order."""
+    if w.stride(1) == 1 and w.stride(2) != 1:  # w is a transposed view
+        return torch.ops.compiled_moe.grouped_mm_wgrad(a, d, offs, out_dtype=w.dtype).mT
+    return torch.ops.compiled_moe.grouped_mm_wgrad(d, a, offs, out_dtype=w.dtype)
+
+
+def _backward(ctx, grad_y, _grad_h):
+    x, offs, w1, w2, probs, source, row_of, h = ctx.saved_tensors
+    if not ctx.save_h:
+        raise RuntimeError("moe_mlp ran with save_h=False, which keeps nothing for backward")
+    need = ctx.needs_input_grad
+    dy = grad_y.to(x.dtype)
+    dh, a, dprobs = torch.ops.compiled_moe.moe_mlp_fc2_dgrad(dy, w2, h, offs, probs, *ctx.args)
+    grad_x = grad_w1 = grad_w2 = grad_probs = grad_b1 = grad_b2 = None
+    if need[0]:
+        dx = torch.ops.compiled_moe.grouped_mm(dh, w1, offs)
+        grad_x = dx if source is None else torch.ops.compiled_moe.moe_unpermute(dx, row_of, source)
+    if need[2]:
+        xs = x if source is None else torch.ops.compiled_moe.moe_permute(x, row_of, source)
+        grad_w1 = _weight_grad(dh, xs, offs, w1)
+    if need[3]:
+        grad_w2 = _weight_grad(dy, a, offs, w2)
+    if probs is not None and need[6]:
+        grad_probs = dprobs.to(probs.dtype)
+    b1_dtype, b2_dtype = ctx.bias_dtypes
+    if b1_dtype is not None and need[7]:
+        grad_b1 = torch.ops.compiled_moe.grouped_sum(dh, offs, out_dtype=b1_dtype)
+    if b2_dtype is not None and need[8]:
+        grad_b2 = torch.ops.compiled_moe.grouped_sum(dy, offs, out_dtype=b2_dtype)
+    return (grad_x, None, grad_w1, grad_w2, None, None, grad_probs, grad_b1, grad_b2, None, None,
+            None, None, None)
+
+
+_moe_mlp.register_autograd(_backward, setup_context=_setup)
+
+
+# ---------------------------------------------------------------------------- moe_mlp_fc2_dgrad
+
+
+def _check_dgrad(dy, w2, h, offs, probs, activation, gate_up_layout) -> None:
+    check_tensor("dy", dy, 2)
+    check_tensor("w2", w2, 3)
+    check_tensor("h", h, 2)
+    check_same_dtype("dy", dy, w2=w2, h=h)
+    check_offs(offs, w2.shape[0])
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if gate_up_layout not in GATE_UP_LAYOUTS:
+        raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
+    inter = w2.shape[2]
+    n1 = 2 * inter if activation in GATED_ACTIVATIONS else inter
+    if tuple(h.shape) != (dy.shape[0], n1) or dy.shape[1] != w2.shape[1]:
+        raise ValueError(f"need dy (M, H), w2 (G, H, I), h (M, N1) with N1 = {n1}; got dy "
+                         f"{tuple(dy.shape)}, w2 {tuple(w2.shape)}, h {tuple(h.shape)}")
+    if probs is not None:
+        check_tensor("probs", probs, 1, None)
+        if probs.shape[0] != dy.shape[0]:
+            raise ValueError(f"probs must be ({dy.shape[0]},), got {tuple(probs.shape)}")
+    check_same_device("dy", dy, w2=w2, h=h, offs=offs, probs=probs)
+
+
+def _dgrad_outputs(dy, w2, h, probs):
+    dprobs = h.new_empty((dy.shape[0] if probs is not None else 0,), dtype=torch.float32)
+    return (h.new_empty(h.shape), h.new_empty((dy.shape[0], w2.shape[2])), dprobs)
+
+
+@torch.library.triton_op("compiled_moe::moe_mlp_fc2_dgrad", mutates_args=())
+def _moe_mlp_fc2_dgrad(dy: Tensor, w2: Tensor, h: Tensor, offs: Tensor, probs: Optional[Tensor],
+                       activation: str, gate_up_layout: str, alpha: float, limit: float
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+    """(dh, a, dprobs): see reference.moe_mlp_fc2_dgrad; dprobs is fp32, empty without probs."""
+    _check_dgrad(dy, w2, h, offs, probs, activation, gate_up_layout)
+    if not use_kernel(dy):
+        dh, a, dprobs = reference.moe_mlp_fc2_dgrad(dy, w2, h, offs, probs, activation,
+                                                    gate_up_layout, alpha, limit)
+        if dprobs is None:
+            dprobs = h.new_empty((0,), dtype=torch.float32)
+        return dh, a, dprobs.to(torch.float32)
+    dh, a, dprobs = _dgrad_outputs(dy, w2, h, probs)
+    partial = None
+    if probs is not None:
+        kernels = _kernels()
+        cols = kernels.mlp_fc2_dgrad_columns(w2.shape[2], dy.dtype, dy.device.type)
+        partial = dy.new_empty((dy.shape[0], cols), dtype=torch.float32)
+    _kernels().mlp_fc2_dgrad(dy, w2, h, offs, None if probs is None else probs.contiguous(),
+                             dh, a, partial, activation, gate_up_layout, alpha, limit)
+    if partial is not None:
+        dprobs = partial.sum(1)  # a fixed order over at most a few column tiles: deterministic
+    return dh, a, dprobs
+
+
+@_moe_mlp_fc2_dgrad.register_fake
+def _(dy, w2, h, offs, probs, activation, gate_up_layout, alpha, limit):
+    _check_dgrad(dy, w2, h, offs, probs, activation, gate_up_layout)
+    return _dgrad_outputs(dy, w2, h, probs)
