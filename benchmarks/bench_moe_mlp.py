@@ -1,0 +1,135 @@
+"""The fused expert MLP against the unfused path and Hugging Face's grouped_mm backend.
+
+Same GPU, same run, same module and inputs (bf16, skewed routing, Qwen3-30B-A3B at T = 8192
+and the other shapes at their table's token count), all three under
+torch.compile(fullgraph=True):
+  fused:    compiled_moe.moe_experts(..., fused=True)
+  unfused:  compiled_moe.moe_experts(..., fused=False)  (permute, grouped_mm, moe_activation, ...)
+  HF:       transformers' grouped_mm_experts_forward on a Qwen3MoeExperts module
+Reported: forward and forward+backward time, peak memory of forward+backward above the inputs,
+and the number of GPU kernels one forward launches (torch.profiler, eager and compiled).
+
+    python benchmarks/bench_moe_mlp.py [--models qwen ...] [--tokens N] [--json out.json]
+                                       [--profile]   (per-kernel GPU time of fused and unfused)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import compiled_moe as cm
+from bench_lowering import _fwd_bwd, _hf_problem
+from common import MODELS, bench, environment, write_json
+
+
+def _variants(mod):
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    def fused(h, i, w):
+        return cm.moe_experts(h, i, w, mod.gate_up_proj, mod.down_proj, fused=True)
+
+    def unfused(h, i, w):
+        return cm.moe_experts(h, i, w, mod.gate_up_proj, mod.down_proj, fused=False)
+
+    def hf(h, i, w):
+        return grouped_mm_experts_forward(mod, h, i, w)
+
+    return {"fused": fused, "unfused": unfused, "hf": hf}
+
+
+def peak_mib(step) -> float:
+    """Peak memory of one call of step above what was allocated before it, MiB."""
+    step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def kernels_per_call(fn) -> int:
+    """GPU kernels one call launches (memsets and copies not counted)."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not any(s in e.name.lower() for s in ("memset", "memcpy")))
+
+
+def profile_step(name, step, steps=5):
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in events) / steps / 1e3
+    print(f"\n{name}: {total:.3f} ms GPU time per step")
+    for e in events[:14]:
+        print(f"  {e.self_device_time_total / steps / 1e3:7.3f} ms  {e.key[:100]}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", nargs="*", default=None, help="substrings of model names")
+    p.add_argument("--tokens", type=int, default=None)
+    p.add_argument("--json", default=None)
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args()
+    env = environment()
+    models = [m for m in MODELS
+              if not args.models or any(s.lower() in m.name.lower() for s in args.models)]
+    print(f"# {env}")
+    rows = []
+    for shape in models:
+        tokens, mod, hidden, ids, weights, grad = _hf_problem(shape, args.tokens)
+        eager = _variants(mod)
+        compiled = {n: torch.compile(f, fullgraph=True) for n, f in eager.items()}
+        with torch.no_grad():
+            ref = compiled["hf"](hidden, ids, weights).float()
+            errs = {n: (f(hidden, ids, weights).float() - ref).abs().max().item()
+                    for n, f in compiled.items()}
+        if args.profile:
+            for n in ("fused", "unfused"):
+                profile_step(f"{shape.name} T={tokens} fwd+bwd {n}",
+                             _fwd_bwd(compiled[n], mod, hidden, ids, weights, grad))
+            continue
+        r = dict(model=shape.name, tokens=tokens, max_abs_diff_vs_hf=errs)
+        for n, fn in compiled.items():
+            with torch.no_grad():
+                r[f"{n}_fwd_ms"] = bench(lambda: fn(hidden, ids, weights))
+                r[f"{n}_kernels_fwd_compiled"] = kernels_per_call(lambda: fn(hidden, ids, weights))
+                r[f"{n}_kernels_fwd_eager"] = kernels_per_call(lambda: eager[n](hidden, ids, weights))
+            step = _fwd_bwd(fn, mod, hidden, ids, weights, grad)
+            r[f"{n}_fwd_bwd_ms"] = bench(step)
+            r[f"{n}_peak_mib"] = peak_mib(step)
+        rows.append(r)
+    if args.profile:
+        return
+    print(f"\n{'model':16s} {'T':>5s} | {'fwd ms: fused':>13s} {'unfused':>8s} {'HF':>7s} "
+          f"{'xunf':>5s} {'xHF':>5s} | {'fwd+bwd: fused':>14s} {'unfused':>8s} {'HF':>7s} "
+          f"{'xunf':>5s} {'xHF':>5s} | {'peak MiB: fused':>15s} {'unfused':>8s} {'HF':>7s} "
+          f"{'/HF':>5s} | kernels/fwd (compiled, eager): fused unfused HF")
+    for r in rows:
+        f, u, h = (r[f"{n}_fwd_ms"] for n in ("fused", "unfused", "hf"))
+        fb, ub, hb = (r[f"{n}_fwd_bwd_ms"] for n in ("fused", "unfused", "hf"))
+        fm, um, hm = (r[f"{n}_peak_mib"] for n in ("fused", "unfused", "hf"))
+        kern = " ".join(f"{r[f'{n}_kernels_fwd_compiled']},{r[f'{n}_kernels_fwd_eager']}"
+                        for n in ("fused", "unfused", "hf"))
+        print(f"{r['model']:16s} {r['tokens']:5d} | {f:13.3f} {u:8.3f} {h:7.3f} {u / f:4.2f}x "
+              f"{h / f:4.2f}x | {fb:14.3f} {ub:8.3f} {hb:7.3f} {ub / fb:4.2f}x {hb / fb:4.2f}x | "
+              f"{fm:15.0f} {um:8.0f} {hm:7.0f} {fm / hm:5.2f} | {kern}")
+    if args.json:
+        write_json(args.json, dict(environment=env, moe_mlp=rows))
+
+
+if __name__ == "__main__":
+    main()
