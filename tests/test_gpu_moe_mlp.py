@@ -99,8 +99,10 @@ def test_fused_experts_match_unfused_with_less_memory():
     out_f, grads_f, peak_f = _fwd_bwd_peak(True, args, grad)
     out_u, grads_u, peak_u = _fwd_bwd_peak(False, args, grad)
     torch.testing.assert_close(out_f, out_u, rtol=2e-2, atol=2e-2)
+    # The fused backward feeds FC2's fp32 dgrad accumulator straight into the activation
+    # backward where the unfused path rounds it to bf16 first: compare in norm, not per element.
     for f, u in zip(grads_f, grads_u):
-        torch.testing.assert_close(f, u, rtol=3e-2, atol=3e-2)
+        assert (f.float() - u.float()).norm() <= 1e-2 * u.float().norm()
     # The unfused path keeps the permuted input, FC1's output, the activation and FC2's output;
     # the fused one keeps FC1's output and FC2's output.
     assert peak_f < 0.9 * peak_u, (peak_f / 2**20, peak_u / 2**20)

@@ -32,39 +32,63 @@ from compiled_moe.kernels.grouped_mm import (_device_index, _input_precision, _n
 
 
 @triton.jit
-def _load_gate_up(h_ptr, rm, row_ok, col0, I, stride_hm, GATED: tl.constexpr,
-                  INTERLEAVED: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Gate and up values (fp32) of output columns col0 + [0, BLOCK_N) from an FC1 output."""
-    rows = rm[:, None].to(tl.int64) * stride_hm
-    cols = col0 + tl.arange(0, BLOCK_N)
-    if GATED and INTERLEAVED:  # one contiguous load of 2 * BLOCK_N columns, then split
-        wide = 2 * col0 + tl.arange(0, 2 * BLOCK_N)
-        hw = tl.load(h_ptr + rows + wide[None, :], mask=row_ok[:, None] & (wide[None, :] < 2 * I),
-                     other=0.0)
-        g, u = tl.split(hw.to(tl.float32).reshape(hw.shape[0], BLOCK_N, 2))
+def _load_gate_up(h_ptr, h_desc, row0, rm, row_ok, col0, I, stride_hm, TMA: tl.constexpr,
+                  GATED: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_N: tl.constexpr,
+                  W_COLS: tl.constexpr):
+    """Gate and up values (fp32) of output columns col0 + [0, BLOCK_N) from an FC1 output h.
+
+    Interleaved: one load of the 2 * BLOCK_N contiguous columns, then split. By TMA when
+    allowed: a load in the accumulator's register layout from global memory is uncoalesced.
+    """
+    wn0 = 2 * col0 if (GATED and INTERLEAVED) else col0
+    if TMA:
+        hw = h_desc.load([row0, wn0])
+        hu = hw
+        if GATED and not INTERLEAVED:
+            hu = h_desc.load([row0, I + col0])
     else:
-        mask = row_ok[:, None] & (cols[None, :] < I)
-        g = tl.load(h_ptr + rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = g
-        if GATED:
-            u = tl.load(h_ptr + rows + I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rows = rm[:, None].to(tl.int64) * stride_hm
+        cols = wn0 + tl.arange(0, W_COLS)
+        limit = 2 * I if (GATED and INTERLEAVED) else I
+        mask = row_ok[:, None] & (cols[None, :] < limit)
+        hw = tl.load(h_ptr + rows + cols[None, :], mask=mask, other=0.0)
+        hu = hw
+        if GATED and not INTERLEAVED:
+            hu = tl.load(h_ptr + I + rows + cols[None, :], mask=mask, other=0.0)
+    g = hw.to(tl.float32)
+    u = hu.to(tl.float32)
+    if GATED and INTERLEAVED:
+        g, u = tl.split(g.reshape(g.shape[0], BLOCK_N, 2))
     return g, u
 
 
 @triton.jit
-def _store_gate_up(out_ptr, rm, row_end, col0, I, stride_om, g, u, GATED: tl.constexpr,
-                   INTERLEAVED: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Write gate and up tiles (BLOCK_M, BLOCK_N) to their columns of an (M, N1) tensor."""
-    cols = col0 + tl.arange(0, BLOCK_N)
-    if GATED and INTERLEAVED:
-        wide = tl.join(g, u).reshape(g.shape[0], 2 * BLOCK_N)
-        _store_rows(out_ptr, rm, 2 * col0 + tl.arange(0, 2 * BLOCK_N), row_end, 2 * I,
-                    stride_om, 1, wide.to(out_ptr.dtype.element_ty))
+def _store_wide(out_ptr, out_desc, full, row0, rm, row_end, col0, I, stride_om, wide, up,
+                TMA: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
+                W_COLS: tl.constexpr):
+    """Write an FC1-shaped tile to its columns of an (M, N1) tensor: ``wide`` holds W_COLS
+    columns from col0 (interleaved: gate and up together), ``up`` the up columns (stacked).
+    A tile whole inside its group goes out by TMA (asynchronous); the group's last tile must
+    not write the next group's rows and is stored with a row mask."""
+    wn0 = 2 * col0 if (GATED and INTERLEAVED) else col0
+    if TMA and full:
+        out_desc.store([row0, wn0], wide)
+        if GATED and not INTERLEAVED:
+            out_desc.store([row0, I + col0], up)
     else:
-        _store_rows(out_ptr, rm, cols, row_end, I, stride_om, 1, g.to(out_ptr.dtype.element_ty))
-        if GATED:
-            _store_rows(out_ptr + I, rm, cols, row_end, I, stride_om, 1,
-                        u.to(out_ptr.dtype.element_ty))
+        limit = 2 * I if (GATED and INTERLEAVED) else I
+        _store_rows(out_ptr, rm, wn0 + tl.arange(0, W_COLS), row_end, limit, stride_om, 1, wide)
+        if GATED and not INTERLEAVED:
+            _store_rows(out_ptr + I, rm, col0 + tl.arange(0, W_COLS), row_end, I, stride_om, 1, up)
+
+
+@triton.jit
+def _store_tile(out_ptr, out_desc, full, row0, rm, row_end, col0, N, stride_om, c,
+                TMA: tl.constexpr, BLOCK_N: tl.constexpr):
+    if TMA and full:
+        out_desc.store([row0, col0], c)
+    else:
+        _store_rows(out_ptr, rm, col0 + tl.arange(0, BLOCK_N), row_end, N, stride_om, 1, c)
 
 
 @triton.jit
@@ -80,7 +104,7 @@ def _mlp_fc1_kernel(
     ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, W_COLS: tl.constexpr,
     GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, STORE_H: tl.constexpr,
     TMA_X: tl.constexpr, TMA_W: tl.constexpr, W_K_CONTIGUOUS: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    TMA_OUT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     """out (M, I) = act(x[rows] @ w[g]^T + bias[g]) (* probs); h (M, N1) the pre-activation.
 
@@ -106,7 +130,16 @@ def _mlp_fc1_kernel(
                                                strides=[stride_wg, stride_wk, 1],
                                                block_shape=[1, BLOCK_K, W_COLS])
 
-    for tile in tl.range(pid, group_tiles, NUM_SMS):
+    h_desc = h_ptr
+    out_desc = out_ptr
+    if TMA_OUT:
+        out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, I], strides=[stride_om, 1],
+                                             block_shape=[BLOCK_M, BLOCK_N])
+        if STORE_H:
+            h_desc = tl.make_tensor_descriptor(h_ptr, shape=[M, N1], strides=[stride_hm, 1],
+                                               block_shape=[BLOCK_M, W_COLS])
+
+    for tile in tl.range(pid, group_tiles, NUM_SMS, warp_specialize=WARP_SPECIALIZE == 2):
         g, row0, m_end, pid_n = _row_tile(tile, g_vec, starts, ends, m_tiles, tiles, tile_ends,
                                           num_n, BLOCK_M, GROUP_M)
         col0 = pid_n * BLOCK_N
@@ -161,13 +194,16 @@ def _mlp_fc1_kernel(
                 acc_u += tl.load(bias_row + I + col0 + rw, mask=I + col0 + rw < N1,
                                  other=0.0).to(tl.float32)[None, :]
         # Round to the input dtype first: the activation sees what h holds (see module doc).
-        hg = acc_g.to(h_ptr.dtype.element_ty).to(tl.float32)
-        hu = acc_u.to(h_ptr.dtype.element_ty).to(tl.float32)
+        hw = acc_g.to(h_ptr.dtype.element_ty)
+        hw_u = acc_u.to(h_ptr.dtype.element_ty)
+        full = row0 + BLOCK_M <= m_end
+        if STORE_H:
+            _store_wide(h_ptr, h_desc, full, row0, rm, m_end, col0, I, stride_hm, hw, hw_u,
+                        TMA_OUT, GATED, INTERLEAVED, W_COLS)
+        hg = hw.to(tl.float32)
+        hu = hw_u.to(tl.float32)
         if GATED and INTERLEAVED:
             hg, hu = tl.split(hg.reshape(BLOCK_M, BLOCK_N, 2))
-        if STORE_H:
-            _store_gate_up(h_ptr, rm, m_end, col0, I, stride_hm, hg, hu, GATED, INTERLEAVED,
-                           BLOCK_N)
         if GATED:
             act = gated_forward(hg, hu, ACT, alpha, limit)
         else:
@@ -175,20 +211,20 @@ def _mlp_fc1_kernel(
         if HAS_PROBS:
             p = tl.load(probs_ptr + rm, mask=rm < m_end, other=0.0).to(tl.float32)
             act = act * p[:, None]
-        _store_rows(out_ptr, rm, col0 + tl.arange(0, BLOCK_N), m_end, I, stride_om, 1,
-                    act.to(out_ptr.dtype.element_ty))
+        _store_tile(out_ptr, out_desc, full, row0, rm, m_end, col0, I, stride_om,
+                    act.to(out_ptr.dtype.element_ty), TMA_OUT, BLOCK_N)
 
     # Rows past the last group are zeros.
     tail_tiles = tl.cdiv(M - rows_end, BLOCK_M) * num_n
-    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    zeros_h = tl.zeros((BLOCK_M, W_COLS), dtype=h_ptr.dtype.element_ty)
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
     for local in range(pid, tail_tiles, NUM_SMS):
         rm = rows_end + (local // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
         col0 = (local % num_n) * BLOCK_N
         if STORE_H:
-            _store_gate_up(h_ptr, rm, M, col0, I, stride_hm, zeros, zeros, GATED, INTERLEAVED,
-                           BLOCK_N)
-        _store_rows(out_ptr, rm, col0 + tl.arange(0, BLOCK_N), M, I, stride_om, 1,
-                    zeros.to(out_ptr.dtype.element_ty))
+            _store_wide(h_ptr, h_desc, False, 0, rm, M, col0, I, stride_hm, zeros_h, zeros_h,
+                        False, GATED, INTERLEAVED, W_COLS)
+        _store_rows(out_ptr, rm, col0 + tl.arange(0, BLOCK_N), M, I, stride_om, 1, zeros)
 
 
 @triton.jit
@@ -202,7 +238,8 @@ def _mlp_fc2_dgrad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr,
     ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PROBS: tl.constexpr,
-    TMA_DY: tl.constexpr, TMA_W: tl.constexpr, W_K_CONTIGUOUS: tl.constexpr,
+    W_COLS: tl.constexpr, TMA_DY: tl.constexpr, TMA_W: tl.constexpr,
+    W_K_CONTIGUOUS: tl.constexpr, TMA_H: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     """da = dy (M, K) @ w[g] (K, I) per group, then in the epilogue, from h (M, N1):
@@ -227,7 +264,19 @@ def _mlp_fc2_dgrad_kernel(
                                                strides=[stride_wg, stride_wk, 1],
                                                block_shape=[1, BLOCK_K, BLOCK_N])
 
-    for tile in tl.range(pid, group_tiles, NUM_SMS):
+    N1 = 2 * I if GATED else I
+    h_desc = h_ptr
+    dh_desc = dh_ptr
+    a_desc = a_ptr
+    if TMA_H:
+        h_desc = tl.make_tensor_descriptor(h_ptr, shape=[M, N1], strides=[stride_hm, 1],
+                                           block_shape=[BLOCK_M, W_COLS])
+        dh_desc = tl.make_tensor_descriptor(dh_ptr, shape=[M, N1], strides=[stride_dhm, 1],
+                                            block_shape=[BLOCK_M, W_COLS])
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, I], strides=[stride_am, 1],
+                                           block_shape=[BLOCK_M, BLOCK_N])
+
+    for tile in tl.range(pid, group_tiles, NUM_SMS, warp_specialize=WARP_SPECIALIZE == 2):
         g, row0, m_end, pid_n = _row_tile(tile, g_vec, starts, ends, m_tiles, tiles, tile_ends,
                                           num_n, BLOCK_M, GROUP_M)
         col0 = pid_n * BLOCK_N
@@ -254,7 +303,8 @@ def _mlp_fc2_dgrad_kernel(
                             mask=(k0 + rk[:, None] < K) & (rn[None, :] < I), other=0.0)
             acc = tl.dot(d, w, acc, input_precision=INPUT_PRECISION)
 
-        hg, hu = _load_gate_up(h_ptr, rm, row_ok, col0, I, stride_hm, GATED, INTERLEAVED, BLOCK_N)
+        hg, hu = _load_gate_up(h_ptr, h_desc, row0, rm, row_ok, col0, I, stride_hm, TMA_H, GATED,
+                               INTERLEAVED, BLOCK_N, W_COLS)
         if GATED:
             act = gated_forward(hg, hu, ACT, alpha, limit)
         else:
@@ -270,20 +320,25 @@ def _mlp_fc2_dgrad_kernel(
         else:
             dg = plain_backward(hg, acc, ACT)
             du = dg
-        _store_gate_up(dh_ptr, rm, m_end, col0, I, stride_dhm, dg, du, GATED, INTERLEAVED,
-                       BLOCK_N)
-        _store_rows(a_ptr, rm, rn, m_end, I, stride_am, 1, act.to(a_ptr.dtype.element_ty))
+        dtype = dh_ptr.dtype.element_ty
+        if GATED and INTERLEAVED:
+            dg = tl.join(dg, du).reshape(BLOCK_M, W_COLS)
+        full = row0 + BLOCK_M <= m_end
+        _store_wide(dh_ptr, dh_desc, full, row0, rm, m_end, col0, I, stride_dhm, dg.to(dtype),
+                    du.to(dtype), TMA_H, GATED, INTERLEAVED, W_COLS)
+        _store_tile(a_ptr, a_desc, full, row0, rm, m_end, col0, I, stride_am, act.to(dtype),
+                    TMA_H, BLOCK_N)
 
     tail_tiles = tl.cdiv(M - rows_end, BLOCK_M) * num_n
-    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    zeros_h = tl.zeros((BLOCK_M, W_COLS), dtype=dh_ptr.dtype.element_ty)
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=a_ptr.dtype.element_ty)
     for local in range(pid, tail_tiles, NUM_SMS):
         rm = rows_end + (local // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
         pid_n = local % num_n
         col0 = pid_n * BLOCK_N
-        _store_gate_up(dh_ptr, rm, M, col0, I, stride_dhm, zeros, zeros, GATED, INTERLEAVED,
-                       BLOCK_N)
-        _store_rows(a_ptr, rm, col0 + tl.arange(0, BLOCK_N), M, I, stride_am, 1,
-                    zeros.to(a_ptr.dtype.element_ty))
+        _store_wide(dh_ptr, dh_desc, False, 0, rm, M, col0, I, stride_dhm, zeros_h, zeros_h,
+                    False, GATED, INTERLEAVED, W_COLS)
+        _store_rows(a_ptr, rm, col0 + tl.arange(0, BLOCK_N), M, I, stride_am, 1, zeros)
         if HAS_PROBS:
             tl.store(dprobs_ptr + rm.to(tl.int64) * stride_pm + pid_n,
                      tl.zeros((BLOCK_M,), dtype=tl.float32), mask=rm < M)
@@ -296,6 +351,12 @@ def _mlp_fc2_dgrad_kernel(
 def _weight_k_contiguous(w: torch.Tensor) -> bool:
     """w (G, N, K): True for an nn.Linear-style tensor (K innermost), False for a transposed view."""
     return w.stride(2) == 1 and w.stride(1) != 1
+
+
+def _tma_epilogue(inter: int, block_n: int, contiguous_gate_up: bool, *tensors) -> bool:
+    """TMA loads and stores of FC1-shaped tiles: stacked gate tiles must not reach into the
+    up half, so I must be a multiple of BLOCK_N there."""
+    return (contiguous_gate_up or inter % block_n == 0) and _use_tma(*tensors)
 
 
 def mlp_fc1(x: torch.Tensor, source: torch.Tensor | None, top_k: int, w1: torch.Tensor,
@@ -322,6 +383,8 @@ def mlp_fc1(x: torch.Tensor, source: torch.Tensor | None, top_k: int, w1: torch.
     w_inner = w1 if k_contig else w1.transpose(1, 2)
     tma_x = K > 0 and source is None and _use_tma(x)
     tma_w = K > 0 and _use_tma(w_inner)
+    tma_out = _tma_epilogue(inter, cfg.block_n, interleaved or not gated, out,
+                            *([h] if h is not None else []))
     num_programs = _num_sms(_device_index(x)) * cfg.ctas_per_sm
     wrap_triton(_mlp_fc1_kernel)[(num_programs,)](
         x, source if source is not None else offs, w1, bias if bias is not None else out,
@@ -336,6 +399,7 @@ def mlp_fc1(x: torch.Tensor, source: torch.Tensor | None, top_k: int, w1: torch.
         NUM_SMS=num_programs, ACT=act, GATED=gated, INTERLEAVED=interleaved, W_COLS=w_cols,
         GATHER=source is not None, HAS_BIAS=bias is not None, HAS_PROBS=probs is not None,
         STORE_H=h is not None, TMA_X=tma_x, TMA_W=tma_w, W_K_CONTIGUOUS=k_contig,
+        TMA_OUT=tma_out, WARP_SPECIALIZE=cfg.warp_specialize,
         INPUT_PRECISION=_input_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -365,6 +429,8 @@ def mlp_fc2_dgrad(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, offs: tor
     w_inner = w2.transpose(1, 2) if k_contig else w2
     tma_dy = K > 0 and _use_tma(dy)
     tma_w = K > 0 and _use_tma(w_inner)
+    interleaved = gated and gate_up_layout == "interleaved"
+    tma_h = _tma_epilogue(inter, cfg.block_n, interleaved or not gated, h, dh, a)
     num_programs = _num_sms(_device_index(dy)) * cfg.ctas_per_sm
     has_probs = probs is not None
     wrap_triton(_mlp_fc2_dgrad_kernel)[(num_programs,)](
@@ -377,9 +443,9 @@ def mlp_fc2_dgrad(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, offs: tor
         dprobs_partial.stride(0) if has_probs else 0,
         G_PAD=_pad_groups(G),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        NUM_SMS=num_programs, ACT=act, GATED=gated,
-        INTERLEAVED=gated and gate_up_layout == "interleaved", HAS_PROBS=has_probs,
-        TMA_DY=tma_dy, TMA_W=tma_w, W_K_CONTIGUOUS=k_contig,
-        INPUT_PRECISION=_input_precision(dy.dtype),
+        NUM_SMS=num_programs, ACT=act, GATED=gated, INTERLEAVED=interleaved,
+        HAS_PROBS=has_probs, W_COLS=2 * cfg.block_n if interleaved else cfg.block_n,
+        TMA_DY=tma_dy, TMA_W=tma_w, W_K_CONTIGUOUS=k_contig, TMA_H=tma_h,
+        WARP_SPECIALIZE=cfg.warp_specialize, INPUT_PRECISION=_input_precision(dy.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
