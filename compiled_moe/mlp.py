@@ -1,10 +1,15 @@
-"""The fused expert MLP on expert-sorted tokens (TransformerEngine's grouped MLP contract)."""
+"""The fused expert MLP on expert-sorted tokens (TransformerEngine's grouped MLP contract),
+with the weight-gradient features of training frameworks: fp32 main_grad accumulation with a
+per-expert mask, and weight gradients delayed to a later call (pipeline schedules)."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import Tensor
 
+from compiled_moe.ops import moe_mlp as mlp_ops
 from compiled_moe.reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT
 
 
@@ -21,10 +26,108 @@ def activation_constants(activation: str, alpha: float, limit: float) -> dict:
     return {"alpha": alpha, "limit": limit}
 
 
+class WeightGradStore:
+    """Weight gradients of :func:`moe_mlp` backward passes, computed when :meth:`compute` runs.
+
+    Pass one as ``wgrad_store``: backward then computes the input gradients only and queues
+    the weight-gradient GEMMs, which a pipeline schedule runs later to fill a bubble.
+    """
+
+    def __init__(self) -> None:
+        self._queue: list[Callable[[], None]] = []
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def compute(self) -> None:
+        """Run the queued weight gradients in the order their backward passes ran."""
+        queue, self._queue = self._queue, []
+        for step in queue:
+            step()
+
+
+def _accumulate_grad(w: Tensor, grad: Tensor) -> None:
+    w.grad = grad if w.grad is None else w.grad + grad
+
+
+class _MoEMLPTraining(torch.autograd.Function):
+    """moe_mlp whose backward leaves the weight gradients to main_grad and/or a store.
+
+    Eager only: its backward has side effects (main_grad, the store) that a compiled graph
+    would not replay."""
+
+    @staticmethod
+    def forward(ctx, x, offs, w1, w2, probs, b1, b2, activation, gate_up_layout, alpha, limit,
+                fuse_wgrad_accumulation, accumulate_mask, wgrad_store):
+        y, h = torch.ops.compiled_moe.moe_mlp(x, offs, w1, w2, activation, gate_up_layout, probs,
+                                              b1, b2, alpha=alpha, limit=limit)
+        ctx.save_for_backward(x, offs, w1, w2, probs, h, accumulate_mask)
+        ctx.args = (activation, gate_up_layout, alpha, limit)
+        ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
+        ctx.fuse = fuse_wgrad_accumulation
+        ctx.store = wgrad_store
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, offs, w1, w2, probs, h, mask = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dy = grad_y.to(x.dtype)
+        grad_x, dh, a, dprobs = mlp_ops.input_grads(dy, x, offs, w1, w2, probs, None, None, h,
+                                                    ctx.args, need[0])
+        grad_b1, grad_b2 = mlp_ops.bias_grads(dy, dh, offs, ctx.bias_dtypes, need[5], need[6])
+        grad_probs = dprobs.to(probs.dtype) if probs is not None and need[4] else None
+        if ctx.store is None and not ctx.fuse:
+            grad_w1, grad_w2 = mlp_ops.weight_grads(dy, dh, a, x, offs, w1, w2, None, None,
+                                                    need[2], need[3])
+            return (grad_x, None, grad_w1, grad_w2, grad_probs, grad_b1, grad_b2) + (None,) * 7
+
+        def weight_step(fuse=ctx.fuse, need_w1=need[2], need_w2=need[3]):
+            if fuse:
+                if need_w1:
+                    torch.ops.compiled_moe.grouped_mm_wgrad_accumulate_(w1.main_grad, dh, x, offs,
+                                                                        mask)
+                if need_w2:
+                    torch.ops.compiled_moe.grouped_mm_wgrad_accumulate_(w2.main_grad, dy, a, offs,
+                                                                        mask)
+                return
+            grad_w1, grad_w2 = mlp_ops.weight_grads(dy, dh, a, x, offs, w1, w2, None, None,
+                                                    need_w1, need_w2)
+            for w, g in ((w1, grad_w1), (w2, grad_w2)):
+                if g is not None:
+                    _accumulate_grad(w, g)
+
+        if ctx.store is not None:
+            ctx.store._queue.append(weight_step)
+        else:
+            weight_step()
+        return (grad_x, None, None, None, grad_probs, grad_b1, grad_b2) + (None,) * 7
+
+
+def _check_training_args(w1, w2, fuse_wgrad_accumulation, accumulate_mask, wgrad_store):
+    if torch.compiler.is_compiling():
+        raise RuntimeError("fuse_wgrad_accumulation, accumulate_mask and wgrad_store run in "
+                           "eager mode only: their backward has side effects a compiled graph "
+                           "would not replay")
+    if accumulate_mask is not None and not fuse_wgrad_accumulation:
+        raise ValueError("accumulate_mask needs fuse_wgrad_accumulation=True")
+    for name, w in (("w1", w1), ("w2", w2)):
+        if fuse_wgrad_accumulation:
+            main_grad = getattr(w, "main_grad", None)
+            if not isinstance(main_grad, Tensor) or main_grad.shape != w.shape:
+                raise ValueError(f"fuse_wgrad_accumulation=True needs {name}.main_grad, a tensor "
+                                 f"shaped like {name} {tuple(w.shape)}")
+        elif wgrad_store is not None and w.requires_grad and not w.is_leaf:
+            raise ValueError(f"wgrad_store adds the delayed gradients to {name}.grad, so {name} "
+                             f"must be a leaf tensor (a parameter), not a view of one")
+
+
 def moe_mlp(x_sorted: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, *, activation: str = "swiglu",
             gate_up_layout: str = "stacked", probs: Tensor | None = None,
             b1: Tensor | None = None, b2: Tensor | None = None, alpha: float = GPT_OSS_ALPHA,
-            limit: float = GPT_OSS_LIMIT) -> Tensor:
+            limit: float = GPT_OSS_LIMIT, fuse_wgrad_accumulation: bool = False,
+            accumulate_mask: Tensor | None = None,
+            wgrad_store: WeightGradStore | None = None) -> Tensor:
     """FC1 -> activation (* probs) -> FC2 per expert, on rows already sorted by expert.
 
     ``y[r] = (act(x[r] @ w1[g]^T + b1[g]) * probs[r]) @ w2[g]^T + b2[g]`` for the rows r of
@@ -47,10 +150,24 @@ def moe_mlp(x_sorted: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, *, activatio
             before FC2 (TransformerEngine's scaled activation).
         b1: optional (G, N1); b2: optional (G, H).
         alpha, limit: the ``gpt_oss`` activation's constants.
+        fuse_wgrad_accumulation: backward adds the weight gradients into ``w1.main_grad`` and
+            ``w2.main_grad`` (usually fp32, shaped like the weights) in place, and leaves
+            ``.grad`` of the weights untouched (TransformerEngine's fuse_wgrad_accumulation).
+        accumulate_mask: optional bool (G,) on the device, with fuse_wgrad_accumulation:
+            experts whose entry is False overwrite their main_grad instead of adding to it.
+        wgrad_store: a :class:`WeightGradStore`: backward computes the input, probs and bias
+            gradients only; ``wgrad_store.compute()`` later computes the weight gradients
+            (into main_grad, or added to the weights' ``.grad``).
+        The last three run in eager mode only.
 
     Returns:
         (M, H) in x's dtype. Differentiable in x_sorted, w1, w2, probs, b1 and b2.
     """
+    if fuse_wgrad_accumulation or accumulate_mask is not None or wgrad_store is not None:
+        _check_training_args(w1, w2, fuse_wgrad_accumulation, accumulate_mask, wgrad_store)
+        return _MoEMLPTraining.apply(x_sorted, offs, w1, w2, probs, b1, b2, activation,
+                                     gate_up_layout, alpha, limit, fuse_wgrad_accumulation,
+                                     accumulate_mask, wgrad_store)
     y, _ = torch.ops.compiled_moe.moe_mlp(x_sorted, offs, w1, w2, activation, gate_up_layout,
                                           probs, b1, b2,
                                           save_h=_needs_grad(x_sorted, w1, w2, probs, b1, b2),

@@ -353,10 +353,12 @@ def _weight_k_contiguous(w: torch.Tensor) -> bool:
     return w.stride(2) == 1 and w.stride(1) != 1
 
 
-def _tma_epilogue(inter: int, block_n: int, contiguous_gate_up: bool, *tensors) -> bool:
-    """TMA loads and stores of FC1-shaped tiles: stacked gate tiles must not reach into the
-    up half, so I must be a multiple of BLOCK_N there."""
-    return (contiguous_gate_up or inter % block_n == 0) and _use_tma(*tensors)
+def _epilogue_tma(cfg, inter: int, contiguous_gate_up: bool, *tensors) -> bool:
+    """TMA loads and stores of the epilogue's tiles when the tile config asks for them and the
+    tensors allow them; stacked gate tiles must not reach into the up half, so I must then be
+    a multiple of BLOCK_N."""
+    return (bool(cfg.epilogue_tma) and (contiguous_gate_up or inter % cfg.block_n == 0)
+            and _use_tma(*tensors))
 
 
 def mlp_fc1(x: torch.Tensor, source: torch.Tensor | None, top_k: int, w1: torch.Tensor,
@@ -383,7 +385,7 @@ def mlp_fc1(x: torch.Tensor, source: torch.Tensor | None, top_k: int, w1: torch.
     w_inner = w1 if k_contig else w1.transpose(1, 2)
     tma_x = K > 0 and source is None and _use_tma(x)
     tma_w = K > 0 and _use_tma(w_inner)
-    tma_out = _tma_epilogue(inter, cfg.block_n, interleaved or not gated, out,
+    tma_out = _epilogue_tma(cfg, inter, interleaved or not gated, out,
                             *([h] if h is not None else []))
     num_programs = _num_sms(_device_index(x)) * cfg.ctas_per_sm
     wrap_triton(_mlp_fc1_kernel)[(num_programs,)](
@@ -430,7 +432,7 @@ def mlp_fc2_dgrad(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, offs: tor
     tma_dy = K > 0 and _use_tma(dy)
     tma_w = K > 0 and _use_tma(w_inner)
     interleaved = gated and gate_up_layout == "interleaved"
-    tma_h = _tma_epilogue(inter, cfg.block_n, interleaved or not gated, h, dh, a)
+    tma_h = _epilogue_tma(cfg, inter, interleaved or not gated, h, dh, a)
     num_programs = _num_sms(_device_index(dy)) * cfg.ctas_per_sm
     has_probs = probs is not None
     wrap_triton(_mlp_fc2_dgrad_kernel)[(num_programs,)](

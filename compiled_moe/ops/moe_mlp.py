@@ -140,29 +140,55 @@ def _weight_grad(d: Tensor, a: Tensor, offs: Tensor, w: Tensor) -> Tensor:
     return torch.ops.compiled_moe.grouped_mm_wgrad(d, a, offs, out_dtype=w.dtype)
 
 
+def input_grads(dy, x, offs, w1, w2, probs, source, row_of, h, activation_args, need_x):
+    """Backward to the inputs: ``(grad_x or None, dh, a, dprobs)``; dh and a (FC2's input,
+    recomputed) are what the weight gradients need."""
+    dh, a, dprobs = torch.ops.compiled_moe.moe_mlp_fc2_dgrad(dy, w2, h, offs, probs,
+                                                            *activation_args)
+    grad_x = None
+    if need_x:
+        dx = torch.ops.compiled_moe.grouped_mm(dh, w1, offs)
+        grad_x = dx if source is None else torch.ops.compiled_moe.moe_unpermute(dx, row_of, source)
+    return grad_x, dh, a, dprobs
+
+
+def sorted_input(x, source, row_of):
+    """FC1's input rows in sorted order (gathered again in backward instead of kept)."""
+    return x if source is None else torch.ops.compiled_moe.moe_permute(x, row_of, source)
+
+
+def weight_grads(dy, dh, a, x, offs, w1, w2, source, row_of, need_w1=True, need_w2=True):
+    """(grad_w1, grad_w2) shaped and laid out like the weights (None where not needed)."""
+    grad_w1 = grad_w2 = None
+    if need_w1:
+        grad_w1 = _weight_grad(dh, sorted_input(x, source, row_of), offs, w1)
+    if need_w2:
+        grad_w2 = _weight_grad(dy, a, offs, w2)
+    return grad_w1, grad_w2
+
+
+def bias_grads(dy, dh, offs, bias_dtypes, need_b1, need_b2):
+    b1_dtype, b2_dtype = bias_dtypes
+    grad_b1 = grad_b2 = None
+    if b1_dtype is not None and need_b1:
+        grad_b1 = torch.ops.compiled_moe.grouped_sum(dh, offs, out_dtype=b1_dtype)
+    if b2_dtype is not None and need_b2:
+        grad_b2 = torch.ops.compiled_moe.grouped_sum(dy, offs, out_dtype=b2_dtype)
+    return grad_b1, grad_b2
+
+
 def _backward(ctx, grad_y, _grad_h):
     x, offs, w1, w2, probs, source, row_of, h = ctx.saved_tensors
     if not ctx.save_h:
         raise RuntimeError("moe_mlp ran with save_h=False, which keeps nothing for backward")
-    need = ctx.needs_input_grad
+    # The dispatcher drops trailing arguments left at their defaults: pad to the schema.
+    need = tuple(ctx.needs_input_grad) + (False,) * 14
     dy = grad_y.to(x.dtype)
-    dh, a, dprobs = torch.ops.compiled_moe.moe_mlp_fc2_dgrad(dy, w2, h, offs, probs, *ctx.args)
-    grad_x = grad_w1 = grad_w2 = grad_probs = grad_b1 = grad_b2 = None
-    if need[0]:
-        dx = torch.ops.compiled_moe.grouped_mm(dh, w1, offs)
-        grad_x = dx if source is None else torch.ops.compiled_moe.moe_unpermute(dx, row_of, source)
-    if need[2]:
-        xs = x if source is None else torch.ops.compiled_moe.moe_permute(x, row_of, source)
-        grad_w1 = _weight_grad(dh, xs, offs, w1)
-    if need[3]:
-        grad_w2 = _weight_grad(dy, a, offs, w2)
-    if probs is not None and need[6]:
-        grad_probs = dprobs.to(probs.dtype)
-    b1_dtype, b2_dtype = ctx.bias_dtypes
-    if b1_dtype is not None and need[7]:
-        grad_b1 = torch.ops.compiled_moe.grouped_sum(dh, offs, out_dtype=b1_dtype)
-    if b2_dtype is not None and need[8]:
-        grad_b2 = torch.ops.compiled_moe.grouped_sum(dy, offs, out_dtype=b2_dtype)
+    grad_x, dh, a, dprobs = input_grads(dy, x, offs, w1, w2, probs, source, row_of, h, ctx.args,
+                                        need[0])
+    grad_w1, grad_w2 = weight_grads(dy, dh, a, x, offs, w1, w2, source, row_of, need[2], need[3])
+    grad_probs = dprobs.to(probs.dtype) if probs is not None and need[6] else None
+    grad_b1, grad_b2 = bias_grads(dy, dh, offs, ctx.bias_dtypes, need[7], need[8])
     return (grad_x, None, grad_w1, grad_w2, None, None, grad_probs, grad_b1, grad_b2, None, None,
             None, None, None)
 
