@@ -6,8 +6,10 @@ torch.compile(fullgraph=True):
   fused:    compiled_moe.moe_experts(..., fused=True)
   unfused:  compiled_moe.moe_experts(..., fused=False)  (permute, grouped_mm, moe_activation, ...)
   HF:       transformers' grouped_mm_experts_forward on a Qwen3MoeExperts module
-Reported: forward and forward+backward time, peak memory of forward+backward above the inputs,
-and the number of GPU kernels one forward launches (torch.profiler, eager and compiled).
+Reported: forward and forward+backward time; peak memory of forward+backward above the inputs
+(the weight gradients included: at Qwen3's shape they are 1.2 GB of the 1.6 GB peak); memory
+held between forward and backward; the number of GPU kernels one forward launches
+(torch.profiler, eager and compiled).
 
     python benchmarks/bench_moe_mlp.py [--models qwen ...] [--tokens N] [--json out.json]
                                        [--profile]   (per-kernel GPU time of fused and unfused)
@@ -49,6 +51,18 @@ def peak_mib(step) -> float:
     step()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def saved_mib(fn) -> float:
+    """Memory held from the end of a forward to its backward (what autograd keeps, plus the
+    output), MiB."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base
+    del out
+    return held / 2**20
 
 
 def kernels_per_call(fn) -> int:
@@ -111,22 +125,26 @@ def main():
             step = _fwd_bwd(fn, mod, hidden, ids, weights, grad)
             r[f"{n}_fwd_bwd_ms"] = bench(step)
             r[f"{n}_peak_mib"] = peak_mib(step)
+            r[f"{n}_saved_mib"] = saved_mib(lambda: fn(hidden, ids, weights))
         rows.append(r)
     if args.profile:
         return
     print(f"\n{'model':16s} {'T':>5s} | {'fwd ms: fused':>13s} {'unfused':>8s} {'HF':>7s} "
           f"{'xunf':>5s} {'xHF':>5s} | {'fwd+bwd: fused':>14s} {'unfused':>8s} {'HF':>7s} "
           f"{'xunf':>5s} {'xHF':>5s} | {'peak MiB: fused':>15s} {'unfused':>8s} {'HF':>7s} "
-          f"{'/HF':>5s} | kernels/fwd (compiled, eager): fused unfused HF")
+          f"{'/HF':>5s} | {'saved MiB: fused':>16s} {'unfused':>8s} {'HF':>7s} "
+          f"| kernels/fwd (compiled, eager): fused unfused HF")
     for r in rows:
         f, u, h = (r[f"{n}_fwd_ms"] for n in ("fused", "unfused", "hf"))
         fb, ub, hb = (r[f"{n}_fwd_bwd_ms"] for n in ("fused", "unfused", "hf"))
         fm, um, hm = (r[f"{n}_peak_mib"] for n in ("fused", "unfused", "hf"))
+        fs, us, hs = (r[f"{n}_saved_mib"] for n in ("fused", "unfused", "hf"))
         kern = " ".join(f"{r[f'{n}_kernels_fwd_compiled']},{r[f'{n}_kernels_fwd_eager']}"
                         for n in ("fused", "unfused", "hf"))
         print(f"{r['model']:16s} {r['tokens']:5d} | {f:13.3f} {u:8.3f} {h:7.3f} {u / f:4.2f}x "
               f"{h / f:4.2f}x | {fb:14.3f} {ub:8.3f} {hb:7.3f} {ub / fb:4.2f}x {hb / fb:4.2f}x | "
-              f"{fm:15.0f} {um:8.0f} {hm:7.0f} {fm / hm:5.2f} | {kern}")
+              f"{fm:15.0f} {um:8.0f} {hm:7.0f} {fm / hm:5.2f} | {fs:16.0f} {us:8.0f} {hs:7.0f} "
+              f"| {kern}")
     if args.json:
         write_json(args.json, dict(environment=env, moe_mlp=rows))
 

@@ -81,31 +81,32 @@ def _experts(tokens, hidden, inter, experts, k, seed=0):
             mk(experts, hidden, inter, scale=inter ** -0.5).requires_grad_(True))
 
 
-def _fwd_bwd_peak(fused, args, grad):
+def _saved_and_grads(fused, args, grad):
+    """Memory held between forward and backward (the output included), and the gradients."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
     out = cm.moe_experts(*args, fused=fused)
-    grads = torch.autograd.grad(out, [args[0], args[3], args[4]], grad)
     torch.cuda.synchronize()
-    return out, grads, torch.cuda.max_memory_allocated() - base
+    saved = torch.cuda.memory_allocated() - base
+    grads = torch.autograd.grad(out, [args[0], args[3], args[4]], grad)
+    return out, grads, saved
 
 
 def test_fused_experts_match_unfused_with_less_memory():
     args = _experts(4096, 1024, 384, 32, 8)
     grad = torch.randn_like(args[0])
-    _fwd_bwd_peak(True, args, grad)  # compile and load the kernels first
-    _fwd_bwd_peak(False, args, grad)
-    out_f, grads_f, peak_f = _fwd_bwd_peak(True, args, grad)
-    out_u, grads_u, peak_u = _fwd_bwd_peak(False, args, grad)
+    _saved_and_grads(True, args, grad)  # compile and load the kernels first
+    _saved_and_grads(False, args, grad)
+    out_f, grads_f, saved_f = _saved_and_grads(True, args, grad)
+    out_u, grads_u, saved_u = _saved_and_grads(False, args, grad)
     torch.testing.assert_close(out_f, out_u, rtol=2e-2, atol=2e-2)
     # The fused backward feeds FC2's fp32 dgrad accumulator straight into the activation
     # backward where the unfused path rounds it to bf16 first: compare in norm, not per element.
     for f, u in zip(grads_f, grads_u):
         assert (f.float() - u.float()).norm() <= 1e-2 * u.float().norm()
-    # The unfused path keeps the permuted input, FC1's output, the activation and FC2's output;
-    # the fused one keeps FC1's output and FC2's output.
-    assert peak_f < 0.9 * peak_u, (peak_f / 2**20, peak_u / 2**20)
+    # Kept for backward: unfused, the permuted input, FC1's output, the activation and FC2's
+    # output (M x (2H + 3I) values); fused, FC1's and FC2's outputs (M x (H + 2I)).
+    assert saved_f < 0.7 * saved_u, (saved_f / 2**20, saved_u / 2**20)
 
 
 def test_moe_mlp_compile_dynamic_one_compile():
