@@ -13,6 +13,7 @@ held between forward and backward; the number of GPU kernels one forward launche
 
     python benchmarks/bench_moe_mlp.py [--models qwen ...] [--tokens N] [--json out.json]
                                        [--profile]   (per-kernel GPU time of fused and unfused)
+                                       [--kernels]   (the fused kernels vs the unfused ops)
 """
 
 from __future__ import annotations
@@ -91,17 +92,66 @@ def profile_step(name, step, steps=5):
         print(f"  {e.self_device_time_total / steps / 1e3:7.3f} ms  {e.key[:100]}")
 
 
+def kernel_rows(models, tokens_override):
+    """The fused kernels against the unfused ops doing the same work, one shape at a time:
+    FC1 + activation, and FC2's dgrad + activation backward (+ the activation recomputed)."""
+    from compiled_moe.kernels import moe_mlp as kernels
+    from common import offsets
+
+    ops = torch.ops.compiled_moe
+    rows = []
+    for shape in models:
+        tokens = tokens_override or (8192 if shape.name.startswith("Qwen3") else shape.tokens)
+        act, layout = ("gpt_oss", "interleaved") if shape.name.startswith("GPT") else ("swiglu", "stacked")
+        m, e, hid, inter = tokens * shape.top_k, shape.experts, shape.hidden, shape.inter
+        torch.manual_seed(0)
+        mk = lambda *s, scale=1.0: torch.randn(*s, device="cuda", dtype=torch.bfloat16) * scale  # noqa: E731
+        x, dy = mk(m, hid), mk(m, hid)
+        offs = offsets(m, e, "skewed")
+        w1, w2 = mk(e, 2 * inter, hid, scale=hid ** -0.5), mk(e, hid, inter, scale=inter ** -0.5)
+        probs = torch.rand(m, device="cuda")
+        h = cm.grouped_mm(x, w1.mT, offs)
+        a, dh = x.new_empty(m, inter), torch.empty_like(h)
+        partial = torch.empty(m, kernels.mlp_fc2_dgrad_columns(inter, x.dtype, "cuda"), device="cuda")
+        extra = (act, layout, 1.702, 7.0)
+        r = dict(model=shape.name, rows=m, activation=act, gate_up_layout=layout)
+        r["fc1_fused_us"] = bench(lambda: kernels.mlp_fc1(x, None, 1, w1, offs, None, None, h, a,
+                                                          *extra)) * 1e3
+        r["fc1_unfused_us"] = bench(lambda: ops.moe_activation(cm.grouped_mm(x, w1.mT, offs),
+                                                               act, layout)) * 1e3
+        r["dgrad_fused_us"] = bench(lambda: kernels.mlp_fc2_dgrad(dy, w2, h, offs, None, dh, a,
+                                                                  None, *extra)) * 1e3
+        r["dgrad_fused_probs_us"] = bench(lambda: kernels.mlp_fc2_dgrad(
+            dy, w2, h, offs, probs, dh, a, partial, *extra)) * 1e3
+        r["dgrad_unfused_us"] = bench(lambda: (
+            ops.moe_activation_backward(cm.grouped_mm(dy, w2, offs), h, *extra),
+            ops.moe_activation(h, act, layout))) * 1e3
+        rows.append(r)
+        print(f"{shape.name:16s} M={m:6d} {act:8s} | FC1+act fused {r['fc1_fused_us']:8.1f} us "
+              f"unfused {r['fc1_unfused_us']:8.1f} | FC2 dgrad+act bwd fused "
+              f"{r['dgrad_fused_us']:8.1f} ({r['dgrad_fused_probs_us']:.1f} with probs) unfused "
+              f"{r['dgrad_unfused_us']:8.1f}")
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="*", default=None, help="substrings of model names")
     p.add_argument("--tokens", type=int, default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--kernels", action="store_true",
+                   help="only the fused kernels against the unfused ops doing the same work")
     args = p.parse_args()
     env = environment()
     models = [m for m in MODELS
               if not args.models or any(s.lower() in m.name.lower() for s in args.models)]
     print(f"# {env}")
+    if args.kernels:
+        rows = kernel_rows(models, args.tokens)
+        if args.json:
+            write_json(args.json, dict(environment=env, kernels=rows))
+        return
     rows = []
     for shape in models:
         tokens, mod, hidden, ids, weights, grad = _hf_problem(shape, args.tokens)

@@ -13,7 +13,7 @@ from torch import Tensor
 from compiled_moe import ops as _ops  # noqa: F401  (registers torch.ops.compiled_moe.*)
 from compiled_moe.reference import counts_to_offsets, offsets_to_counts
 from compiled_moe.experts import moe_experts
-from compiled_moe.mlp import moe_mlp
+from compiled_moe.mlp import WeightGradStore, moe_mlp
 from compiled_moe.fp8 import FP8_RECIPES, fp8_grouped_mm
 from compiled_moe.modules import GroupedLinear, MoEExperts
 
@@ -26,6 +26,7 @@ __all__ = [
     "offsets_to_counts",
     "moe_experts",
     "moe_mlp",
+    "WeightGradStore",
     "moe_route",
     "moe_permute",
     "moe_unpermute",
