@@ -73,7 +73,6 @@ def hf_rows(models, tokens_override):
 def profile_rows(models, tokens_override, steps=5):
     """GPU time per fwd+bwd step by kernel (torch.profiler): the rewritten HF graph against our
     own moe_experts on the same module and inputs."""
-    from torch.profiler import ProfilerActivity, profile
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     for shape in models:
@@ -87,20 +86,27 @@ def profile_rows(models, tokens_override, steps=5):
                 fullgraph=True),
         }
         for name, fn in variants.items():
-            step = _fwd_bwd(fn, mod, hidden, ids, weights, grad)
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(steps):
-                    step()
-                torch.cuda.synchronize()
-            events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-            events.sort(key=lambda e: -e.self_device_time_total)
-            total = sum(e.self_device_time_total for e in events) / steps / 1e3
-            print(f"\n{shape.name} T={tokens} fwd+bwd, {name}: {total:.3f} ms GPU time per step")
-            for e in events[:12]:
-                print(f"  {e.self_device_time_total / steps / 1e3:7.3f} ms  {e.key[:90]}")
+            profile_step(f"{shape.name} T={tokens} fwd+bwd, {name}",
+                         _fwd_bwd(fn, mod, hidden, ids, weights, grad), steps)
+
+
+def profile_step(title, step, steps=5, top=12):
+    """Print the GPU time per call of step, and its largest kernels (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in events) / steps / 1e3
+    print(f"\n{title}: {total:.3f} ms GPU time per step")
+    for e in events[:top]:
+        print(f"  {e.self_device_time_total / steps / 1e3:7.3f} ms  {e.key[:90]}")
 
 
 # ---------------------------------------------------------------------------- host time

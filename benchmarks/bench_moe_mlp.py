@@ -24,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import compiled_moe as cm
-from bench_lowering import _fwd_bwd, _hf_problem
+from bench_lowering import _fwd_bwd, _hf_problem, profile_step
 from common import MODELS, bench, environment, write_json
 
 
@@ -75,21 +75,6 @@ def kernels_per_call(fn) -> int:
         torch.cuda.synchronize()
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and not any(s in e.name.lower() for s in ("memset", "memcpy")))
-
-
-def profile_step(name, step, steps=5):
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    events.sort(key=lambda e: -e.self_device_time_total)
-    total = sum(e.self_device_time_total for e in events) / steps / 1e3
-    print(f"\n{name}: {total:.3f} ms GPU time per step")
-    for e in events[:14]:
-        print(f"  {e.self_device_time_total / steps / 1e3:7.3f} ms  {e.key[:100]}")
 
 
 def kernel_rows(models, tokens_override):
