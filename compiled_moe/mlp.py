@@ -39,6 +39,9 @@ class WeightGradStore:
     def __len__(self) -> int:
         return len(self._queue)
 
+    def put(self, step: Callable[[], None]) -> None:
+        self._queue.append(step)
+
     def compute(self) -> None:
         """Run the queued weight gradients in the order their backward passes ran."""
         queue, self._queue = self._queue, []
@@ -98,7 +101,7 @@ class _MoEMLPTraining(torch.autograd.Function):
                     _accumulate_grad(w, g)
 
         if ctx.store is not None:
-            ctx.store._queue.append(weight_step)
+            ctx.store.put(weight_step)
         else:
             weight_step()
         return (grad_x, None, None, None, grad_probs, grad_b1, grad_b2) + (None,) * 7
