@@ -92,6 +92,34 @@ def _store_tile(out_ptr, out_desc, full, row0, rm, row_end, col0, N, stride_om, 
 
 
 @triton.jit
+def _rows_tile(desc, ptr, row0, rows, row_ok, k0, K, stride_m, stride_k, TMA: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """(BLOCK_M, BLOCK_K) tile of the row operand: by TMA from row0, or the given rows (masked
+    by row_ok) by pointers."""
+    if TMA:
+        # Rows of the next group ride along in the last M tile; they are not stored.
+        return desc.load([row0, k0])
+    rk = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(ptr + rows[:, None].to(tl.int64) * stride_m + rk[None, :] * stride_k,
+                   mask=row_ok[:, None] & (rk[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _weight_tile(desc, base, g, n0, k0, N, K, stride_n, stride_k, TMA: tl.constexpr,
+                 K_CONTIGUOUS: tl.constexpr, COLS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(BLOCK_K, COLS) tile of a group's weight seen as (K, N), columns from n0: by TMA over
+    (G, N, K) (K_CONTIGUOUS) or (G, K, N), else by pointers from the group's base."""
+    if TMA:
+        if K_CONTIGUOUS:
+            return desc.load([g, n0, k0]).reshape(COLS, BLOCK_K).T
+        return desc.load([g, k0, n0]).reshape(BLOCK_K, COLS)
+    rn = n0 + tl.arange(0, COLS)
+    rk = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(base + rn[None, :] * stride_n + rk[:, None] * stride_k,
+                   mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
+
+
+@triton.jit
 def _mlp_fc1_kernel(
     x_ptr, source_ptr, w_ptr, bias_ptr, probs_ptr, h_ptr, out_ptr, offs_ptr,
     M, I, K, G, top_k, alpha, limit,
@@ -117,6 +145,8 @@ def _mlp_fc1_kernel(
     N1 = 2 * I if GATED else I
     g_vec, starts, ends, m_tiles, tiles, tile_ends, num_n, group_tiles, rows_end = \
         _row_tile_schedule(offs_ptr, G, M, I, G_PAD, BLOCK_M, BLOCK_N)
+    x_desc = x_ptr  # placeholders where TMA is off: the helpers then use the pointers
+    w_desc = w_ptr
     if TMA_X:
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
@@ -145,7 +175,6 @@ def _mlp_fc1_kernel(
         col0 = pid_n * BLOCK_N
         wn0 = 2 * col0 if (GATED and INTERLEAVED) else col0
         rm = row0 + tl.arange(0, BLOCK_M)
-        rk = tl.arange(0, BLOCK_K)
         rw = tl.arange(0, W_COLS)
         row_ok = rm < m_end
         if GATHER:
@@ -158,33 +187,14 @@ def _mlp_fc1_kernel(
         acc_u = tl.zeros((BLOCK_M, W_COLS), dtype=tl.float32)
         w_base = w_ptr + g.to(tl.int64) * stride_wg
         for k0 in range(0, K, BLOCK_K):
-            if TMA_X:
-                # Rows of the next group ride along in the last M tile; they are not stored.
-                a = x_desc.load([row0, k0])
-            else:
-                a = tl.load(x_ptr + x_rows[:, None].to(tl.int64) * stride_xm
-                            + (k0 + rk)[None, :] * stride_xk,
-                            mask=row_ok[:, None] & (k0 + rk[None, :] < K), other=0.0)
-            if TMA_W:
-                if W_K_CONTIGUOUS:
-                    wg = w_desc.load([g, wn0, k0]).reshape(W_COLS, BLOCK_K).T
-                else:
-                    wg = w_desc.load([g, k0, wn0]).reshape(BLOCK_K, W_COLS)
-            else:
-                w_ptrs = w_base + (wn0 + rw)[None, :] * stride_wn + (k0 + rk)[:, None] * stride_wk
-                wg = tl.load(w_ptrs, mask=(wn0 + rw[None, :] < N1) & (k0 + rk[:, None] < K),
-                             other=0.0)
+            a = _rows_tile(x_desc, x_ptr, row0, x_rows, row_ok, k0, K, stride_xm, stride_xk,
+                           TMA_X, BLOCK_K)
+            wg = _weight_tile(w_desc, w_base, g, wn0, k0, N1, K, stride_wn, stride_wk, TMA_W,
+                              W_K_CONTIGUOUS, W_COLS, BLOCK_K)
             acc_g = tl.dot(a, wg, acc_g, input_precision=INPUT_PRECISION)
             if GATED and not INTERLEAVED:
-                if TMA_W:
-                    if W_K_CONTIGUOUS:
-                        wu = w_desc.load([g, I + col0, k0]).reshape(W_COLS, BLOCK_K).T
-                    else:
-                        wu = w_desc.load([g, k0, I + col0]).reshape(BLOCK_K, W_COLS)
-                else:
-                    wu = tl.load(w_ptrs + I * stride_wn,
-                                 mask=(I + col0 + rw[None, :] < N1) & (k0 + rk[:, None] < K),
-                                 other=0.0)
+                wu = _weight_tile(w_desc, w_base, g, I + col0, k0, N1, K, stride_wn, stride_wk,
+                                  TMA_W, W_K_CONTIGUOUS, W_COLS, BLOCK_K)
                 acc_u = tl.dot(a, wu, acc_u, input_precision=INPUT_PRECISION)
 
         if HAS_BIAS:
@@ -251,6 +261,8 @@ def _mlp_fc2_dgrad_kernel(
     pid = tl.program_id(0)
     g_vec, starts, ends, m_tiles, tiles, tile_ends, num_n, group_tiles, rows_end = \
         _row_tile_schedule(offs_ptr, G, M, I, G_PAD, BLOCK_M, BLOCK_N)
+    dy_desc = dy_ptr
+    w_desc = w_ptr
     if TMA_DY:
         dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[M, K], strides=[stride_dym, 1],
                                             block_shape=[BLOCK_M, BLOCK_K])
@@ -282,25 +294,14 @@ def _mlp_fc2_dgrad_kernel(
         col0 = pid_n * BLOCK_N
         rm = row0 + tl.arange(0, BLOCK_M)
         rn = col0 + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
         row_ok = rm < m_end
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         w_base = w_ptr + g.to(tl.int64) * stride_wg
         for k0 in range(0, K, BLOCK_K):
-            if TMA_DY:
-                d = dy_desc.load([row0, k0])
-            else:
-                d = tl.load(dy_ptr + rm[:, None].to(tl.int64) * stride_dym
-                            + (k0 + rk)[None, :] * stride_dyk,
-                            mask=row_ok[:, None] & (k0 + rk[None, :] < K), other=0.0)
-            if TMA_W:
-                if W_K_CONTIGUOUS:
-                    w = w_desc.load([g, col0, k0]).reshape(BLOCK_N, BLOCK_K).T
-                else:
-                    w = w_desc.load([g, k0, col0]).reshape(BLOCK_K, BLOCK_N)
-            else:
-                w = tl.load(w_base + (k0 + rk)[:, None] * stride_wk + rn[None, :] * stride_wn,
-                            mask=(k0 + rk[:, None] < K) & (rn[None, :] < I), other=0.0)
+            d = _rows_tile(dy_desc, dy_ptr, row0, rm, row_ok, k0, K, stride_dym, stride_dyk,
+                           TMA_DY, BLOCK_K)
+            w = _weight_tile(w_desc, w_base, g, col0, k0, I, K, stride_wn, stride_wk, TMA_W,
+                             W_K_CONTIGUOUS, BLOCK_N, BLOCK_K)
             acc = tl.dot(d, w, acc, input_precision=INPUT_PRECISION)
 
         hg, hu = _load_gate_up(h_ptr, h_desc, row0, rm, row_ok, col0, I, stride_hm, TMA_H, GATED,

@@ -238,13 +238,13 @@ def _moe_mlp_fc2_dgrad(dy: Tensor, w2: Tensor, h: Tensor, offs: Tensor, probs: O
         if dprobs is None:
             dprobs = h.new_empty((0,), dtype=torch.float32)
         return dh, a, dprobs.to(torch.float32)
+    kernels = _kernels()
     dh, a, dprobs = _dgrad_outputs(dy, w2, h, probs)
     partial = None
     if probs is not None:
-        kernels = _kernels()
         cols = kernels.mlp_fc2_dgrad_columns(w2.shape[2], dy.dtype, dy.device.type)
         partial = dy.new_empty((dy.shape[0], cols), dtype=torch.float32)
-    _kernels().mlp_fc2_dgrad(dy, w2, h, offs, None if probs is None else probs.contiguous(),
+    kernels.mlp_fc2_dgrad(dy, w2, h, offs, None if probs is None else probs.contiguous(),
                              dh, a, partial, activation, gate_up_layout, alpha, limit)
     if partial is not None:
         dprobs = partial.sum(1)  # a fixed order over at most a few column tiles: deterministic
