@@ -287,12 +287,12 @@ def moe_mlp_fc2_dgrad(dy: Tensor, w2: Tensor, h: Tensor, offs: Tensor, probs: Te
                       limit: float = GPT_OSS_LIMIT) -> tuple[Tensor, Tensor, Tensor | None]:
     """Backward of :func:`moe_mlp` from dy to h: ``(dh, a, dprobs)``.
 
-    da = dy @ w2[g] (fp32); dprobs = <da, act(h)> per row (None without probs); dh is the
-    activation's gradient at h times da * probs; a = act(h) * probs, FC2's input (for its
-    weight gradient), recomputed from h.
+    da = dy @ w2[g], rounded to dy's dtype as the unfused path rounds it; dprobs = <da, act(h)>
+    per row (None without probs); dh is the activation's gradient at h times da * probs;
+    a = act(h) * probs, FC2's input (for its weight gradient), recomputed from h.
     """
     cdt = _compute_dtype(h.dtype)
-    da = grouped_mm(dy, w2, offs, out_dtype=cdt)
+    da = grouped_mm(dy, w2, offs).to(cdt)
     a = activation(h.to(cdt), name, gate_up_layout, alpha, limit)
     dprobs = None
     if probs is not None:

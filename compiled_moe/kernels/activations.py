@@ -2,7 +2,8 @@
 
 One program reads a tile of FC1's output (gate and up columns of the same output index
 together, for either gate/up layout), computes in fp32 and writes the activation; the backward
-reads the same tile and the incoming gradient once and writes both halves of the gradient.
+reads the same tile and the incoming gradient once and writes both halves of the gradient, and
+for the fused MLP also the recomputed activation and the gradient of the routing probabilities.
 The per-activation math lives in @triton.jit functions so that GEMM epilogues can reuse it.
 """
 
@@ -92,47 +93,95 @@ def plain_backward(x, da, ACT: tl.constexpr):
 
 
 @triton.jit
-def _activation_kernel(h_ptr, grad_ptr, out_ptr, M, I, stride_h, stride_grad, stride_out,
-                       alpha, limit, ACT: tl.constexpr, GATED: tl.constexpr,
-                       INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Forward: out (M, I) = act(h). Backward: out (M, N1) = d act / d h * grad (M, I)."""
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rm[:, None] < M) & (rn[None, :] < I)
-    rows = rm[:, None].to(tl.int64)
-    if GATED:
-        if INTERLEAVED:
-            g_col = 2 * rn[None, :]
-            u_col = g_col + 1
-        else:
-            g_col = rn[None, :]
-            u_col = g_col + I
-        g = tl.load(h_ptr + rows * stride_h + g_col, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(h_ptr + rows * stride_h + u_col, mask=mask, other=0.0).to(tl.float32)
-        if BACKWARD:
-            da = tl.load(grad_ptr + rows * stride_grad + rn[None, :], mask=mask, other=0.0)
-            dg, du = gated_backward(g, u, da.to(tl.float32), ACT, alpha, limit)
-            tl.store(out_ptr + rows * stride_out + g_col, dg.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.store(out_ptr + rows * stride_out + u_col, du.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            a = gated_forward(g, u, ACT, alpha, limit)
-            tl.store(out_ptr + rows * stride_out + rn[None, :], a.to(out_ptr.dtype.element_ty), mask=mask)
+def _load_gate_up(h_rows, row_ok, n0, I, INTERLEAVED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """fp32 gate and up values of output columns n0 + [0, BLOCK_N) of FC1 output rows
+    (``h_rows``: a (BLOCK_M, 1) block of row pointers).
+
+    Interleaved: one load of the 2 * BLOCK_N contiguous columns, split in registers (two
+    stride-2 loads would each fetch every sector twice)."""
+    if INTERLEAVED:
+        cols = 2 * n0 + tl.arange(0, 2 * BLOCK_N)
+        hw = tl.load(h_rows + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < 2 * I),
+                     other=0.0).to(tl.float32)
+        g, u = tl.split(hw.reshape(hw.shape[0], BLOCK_N, 2))
     else:
-        x = tl.load(h_ptr + rows * stride_h + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-        if BACKWARD:
-            da = tl.load(grad_ptr + rows * stride_grad + rn[None, :], mask=mask, other=0.0)
-            dx = plain_backward(x, da.to(tl.float32), ACT)
-            tl.store(out_ptr + rows * stride_out + rn[None, :], dx.to(out_ptr.dtype.element_ty), mask=mask)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        mask = row_ok[:, None] & (cols[None, :] < I)
+        g = tl.load(h_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h_rows + I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return g, u
+
+
+@triton.jit
+def _activation_kernel(h_ptr, grad_ptr, out_ptr, act_ptr, probs_ptr, dprobs_ptr, M, I,
+                       stride_h, stride_grad, stride_out, stride_act, alpha, limit,
+                       ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
+                       BACKWARD: tl.constexpr, RECOMPUTE: tl.constexpr, HAS_PROBS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Forward: out (M, I) = act(h). Backward: out (M, N1) = d act / d h * grad (M, I), with
+    grad scaled by probs (M,) when given, and optionally in the same pass (h read once):
+    act (M, I) = act(h) (* probs) and dprobs (M,) = <grad, act(h)> per row (fp32).
+
+    Programs own BLOCK_M rows and BLOCK_N output columns; with probs, every column of their
+    rows (the grid has one column program), so dprobs is a whole row's sum in a fixed order.
+    """
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rm < M
+    rm64 = rm[:, None].to(tl.int64)
+    h_rows = h_ptr + rm64 * stride_h
+    dot = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for n0 in range(tl.program_id(1) * BLOCK_N, I, tl.num_programs(1) * BLOCK_N):
+        rn = n0 + tl.arange(0, BLOCK_N)
+        mask = row_ok[:, None] & (rn[None, :] < I)
+        if GATED:
+            g, u = _load_gate_up(h_rows, row_ok, n0, I, INTERLEAVED, BLOCK_N)
         else:
-            a = plain_forward(x, ACT)
-            tl.store(out_ptr + rows * stride_out + rn[None, :], a.to(out_ptr.dtype.element_ty), mask=mask)
+            g = tl.load(h_rows + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+            u = g
+        if BACKWARD and not RECOMPUTE and not HAS_PROBS:
+            a = g  # unused
+        elif GATED:
+            a = gated_forward(g, u, ACT, alpha, limit)
+        else:
+            a = plain_forward(g, ACT)
+        if BACKWARD:
+            da = tl.load(grad_ptr + rm64 * stride_grad + rn[None, :], mask=mask,
+                         other=0.0).to(tl.float32)
+            if HAS_PROBS:
+                p = tl.load(probs_ptr + rm, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+                dot += tl.sum(da * a, 1)
+                da = da * p
+                a = a * p
+            if RECOMPUTE:
+                tl.store(act_ptr + rm64 * stride_act + rn[None, :],
+                         a.to(act_ptr.dtype.element_ty), mask=mask)
+            out_rows = out_ptr + rm64 * stride_out
+            if GATED:
+                dg, du = gated_backward(g, u, da, ACT, alpha, limit)
+                dtype = out_ptr.dtype.element_ty
+                if INTERLEAVED:
+                    cols = 2 * n0 + tl.arange(0, 2 * BLOCK_N)
+                    tl.store(out_rows + cols[None, :],
+                             tl.join(dg, du).reshape(BLOCK_M, 2 * BLOCK_N).to(dtype),
+                             mask=row_ok[:, None] & (cols[None, :] < 2 * I))
+                else:
+                    tl.store(out_rows + rn[None, :], dg.to(dtype), mask=mask)
+                    tl.store(out_rows + I + rn[None, :], du.to(dtype), mask=mask)
+            else:
+                tl.store(out_rows + rn[None, :],
+                         plain_backward(g, da, ACT).to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(out_ptr + rm64 * stride_out + rn[None, :], a.to(out_ptr.dtype.element_ty),
+                     mask=mask)
+    if HAS_PROBS:
+        tl.store(dprobs_ptr + rm, dot, mask=row_ok)
 
 
-def _launch(h, grad, out, activation, gate_up_layout, alpha, limit, backward):
+def _launch(h, grad, out, activation, gate_up_layout, alpha, limit, backward, act_out=None,
+            probs=None, dprobs=None):
     act = CODES[activation]
     M = h.shape[0]
-    inter = out.shape[1] if not backward else (grad.shape[1])
+    inter = grad.shape[1] if backward else out.shape[1]
     if M == 0 or inter == 0:
         return
     if h.stride(-1) != 1:
@@ -140,12 +189,16 @@ def _launch(h, grad, out, activation, gate_up_layout, alpha, limit, backward):
     if grad is not None and grad.stride(-1) != 1:
         grad = grad.contiguous()
     cfg = activation_config(size_hint(inter), h.device.type)
-    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(inter, cfg.block_n))
+    has_probs = probs is not None
+    grid = (triton.cdiv(M, cfg.block_m), 1 if has_probs else triton.cdiv(inter, cfg.block_n))
     wrap_triton(_activation_kernel)[grid](
-        h, grad, out, M, inter, h.stride(0), grad.stride(0) if grad is not None else 0,
-        out.stride(0), float(alpha), float(limit),
+        h, grad if backward else h, out, act_out if act_out is not None else out,
+        probs.contiguous() if has_probs else h, dprobs if has_probs else h, M, inter,
+        h.stride(0), grad.stride(0) if backward else 0, out.stride(0),
+        act_out.stride(0) if act_out is not None else 0, float(alpha), float(limit),
         ACT=act, GATED=act in GATED, INTERLEAVED=gate_up_layout == "interleaved",
-        BACKWARD=backward, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        BACKWARD=backward, RECOMPUTE=act_out is not None, HAS_PROBS=has_probs,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
 
 
@@ -156,6 +209,12 @@ def activation_forward(h: torch.Tensor, out: torch.Tensor, activation: str, gate
 
 
 def activation_backward(grad: torch.Tensor, h: torch.Tensor, out: torch.Tensor, activation: str,
-                        gate_up_layout: str, alpha: float, limit: float) -> None:
-    """out (M, N1) = gradient of act at h, times grad (M, I)."""
-    _launch(h, grad, out, activation, gate_up_layout, alpha, limit, backward=True)
+                        gate_up_layout: str, alpha: float, limit: float,
+                        act_out: torch.Tensor | None = None, probs: torch.Tensor | None = None,
+                        dprobs: torch.Tensor | None = None) -> None:
+    """out (M, N1) = gradient of act at h, times grad (M, I) (* probs (M,)).
+
+    act_out (M, I), when given, receives act(h) (* probs), and dprobs (M,) fp32, with probs,
+    <grad, act(h)> per row: the FC2 backward of the fused MLP in one pass over h."""
+    _launch(h, grad, out, activation, gate_up_layout, alpha, limit, backward=True,
+            act_out=act_out, probs=probs, dprobs=dprobs)

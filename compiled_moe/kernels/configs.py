@@ -33,7 +33,7 @@ class TileConfig:
     num_stages: int = 3
     warp_specialize: int = 0  # producer/consumer warps: 0 none, 1 on the K loop, 2 on the tile loop
     ctas_per_sm: int = 1  # persistent programs per SM: 2 lets one's epilogue overlap the other
-    epilogue_tma: int = 0  # fused-MLP kernels: epilogue tiles (h, dh, a) by TMA instead of pointers
+    epilogue_tma: int = 0  # fused FC1: epilogue tiles (h, out) by TMA instead of pointers
 
     def __str__(self) -> str:
         return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} BLOCK_K={self.block_k} "
@@ -115,44 +115,31 @@ def grouped_mm_wgrad_config(rows_per_group: int, k: int, n: int, dtype: torch.dt
 
 
 @functools.lru_cache(maxsize=None)
-def mlp_fc1_config(inter: int, k: int, gated: bool, dtype: torch.dtype,
+def mlp_fc1_config(inter: int, k: int, gated: bool, interleaved: bool, dtype: torch.dtype,
                    device_type: str) -> TileConfig:
     """Tile of the fused FC1 (kernels/moe_mlp.py): BLOCK_M rows x BLOCK_N activation columns.
 
     Gated activations compute BLOCK_N gate and BLOCK_N up columns per program, so BLOCK_N is
     half the grouped GEMM's 256-column tile: the same accumulator size.
-    H200 sweep, Qwen3 T = 8192 (M = 65536, H = 2048, I = 768, skewed), pointer epilogue:
-    128x128x64, 8 warps, 3 stages 825 us (the unfused grouped_mm + moe_activation: 755 us);
-    4 stages 879; 2 CTAs/SM 882; 128x64 (4 or 8 warps) 997-1086; 64x128 1068. GPT-OSS
-    (gpt_oss, interleaved): 1678 us against 1727 unfused; DeepSeek-V3: 3116 against 3113.
-    The TMA epilogue and the warp-specialized loop are not measured yet: off.
+    H200 sweeps (skewed routing, microseconds, the unfused grouped_mm + moe_activation in the
+    same run in brackets). Qwen3 T = 8192 (M = 65536, H = 2048, I = 768, stacked), 128x128x64,
+    8 warps: 3 stages 847 (860), with the TMA epilogue 837, warp-specialized tile loop 829,
+    both at 4 stages 764; an earlier run: 2 CTAs/SM 882, 128x64 997-1086, 64x128 1068.
+    GPT-OSS (interleaved, M = 16384): 3 stages 1646 (1815), warp-specialized 1747; the TMA
+    epilogue's 128x256 h tile does not fit in shared memory beside 3 stages.
     """
     def heuristic():
         if dtype == torch.float32:
             return TileConfig(block_m=128, block_n=64 if gated else 128, block_k=32,
                               num_warps=8, num_stages=3)
+        if gated and not interleaved:
+            return TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
+                              warp_specialize=2, epilogue_tma=1)
         return TileConfig(block_m=128, block_n=128 if gated else 256, block_k=64, num_warps=8,
                           num_stages=3)
 
-    return _choose("mlp_fc1", (inter, k, gated, str(dtype)), device_type, heuristic)
-
-
-@functools.lru_cache(maxsize=None)
-def mlp_fc2_dgrad_config(inter: int, dtype: torch.dtype, device_type: str) -> TileConfig:
-    """Tile of FC2's input gradient with the activation backward in its epilogue: BLOCK_N
-    columns of I, whose gate and up values the epilogue reads from h.
-
-    H200 sweep, Qwen3 T = 8192, pointer epilogue: 128x128x64, 8 warps, 4 stages 872 us and
-    3 stages 940 (the unfused grouped_mm dgrad + moe_activation_backward + moe_activation:
-    563 us); 128x64 1113-1449; 64x128 1294. The epilogue's loads and stores in the
-    accumulator's layout cost more than the round trip through memory they save.
-    """
-    def heuristic():
-        if dtype == torch.float32:
-            return TileConfig(block_m=128, block_n=64, block_k=32, num_warps=8, num_stages=3)
-        return TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
-
-    return _choose("mlp_fc2_dgrad", (inter, str(dtype)), device_type, heuristic)
+    return _choose("mlp_fc1", (inter, k, gated, interleaved, str(dtype)), device_type,
+                   heuristic)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,16 +1,14 @@
-"""Triton kernels of the fused MoE MLP: the two GEMMs that carry the activation in their epilogues.
+"""Triton kernel of the fused MoE MLP: FC1 with the activation in its epilogue.
 
 mlp_fc1:        h = x[rows] @ w1[g]^T (+ b1[g]);  out = act(h) (* probs)      forward
                 x rows are read through the routing map (no permuted copy of the input), and
                 the gate and up columns of one output index come out of the same program, so
                 the activation runs on the accumulators before anything is written.
-mlp_fc2_dgrad:  da = dy @ w2[g];  dh = act'(h) * (da * probs);  a = act(h) * probs;
-                dprobs = <da, act(h)>                                          backward
-                FC2's input gradient with the activation backward in its epilogue; the
-                activation is recomputed from FC1's saved pre-activation h, not stored.
 
-Both use the persistent, device-side tile schedule of the grouped GEMM (kernels/grouped_mm.py)
-and, like every kernel of the package, write zeros in rows past offs[-1].
+It uses the persistent, device-side tile schedule of the grouped GEMM (kernels/grouped_mm.py)
+and, like every kernel of the package, writes zeros in rows past offs[-1]. Backward needs no
+kernel of its own: FC2's input gradient is the grouped GEMM and the activation backward runs in
+kernels/activations.py (see ops/moe_mlp.py for why it is not in the GEMM's epilogue).
 h holds FC1's output rounded to the input dtype, and the activation is computed from those
 rounded values: the forward and the recomputation in backward see the same numbers, and the
 results match the unfused path (grouped_mm, then moe_activation).
@@ -23,43 +21,11 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from compiled_moe.kernels.activations import (CODES, GATED, gated_backward, gated_forward,
-                                              plain_backward, plain_forward)
-from compiled_moe.kernels.configs import mlp_fc1_config, mlp_fc2_dgrad_config, size_hint
+from compiled_moe.kernels.activations import CODES, GATED, gated_forward, plain_forward
+from compiled_moe.kernels.configs import mlp_fc1_config, size_hint
 from compiled_moe.kernels.grouped_mm import (_device_index, _input_precision, _num_sms,
                                              _pad_groups, _row_tile, _row_tile_schedule,
                                              _store_rows, _use_tma)
-
-
-@triton.jit
-def _load_gate_up(h_ptr, h_desc, row0, rm, row_ok, col0, I, stride_hm, TMA: tl.constexpr,
-                  GATED: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_N: tl.constexpr,
-                  W_COLS: tl.constexpr):
-    """Gate and up values (fp32) of output columns col0 + [0, BLOCK_N) from an FC1 output h.
-
-    Interleaved: one load of the 2 * BLOCK_N contiguous columns, then split. By TMA when
-    allowed: a load in the accumulator's register layout from global memory is uncoalesced.
-    """
-    wn0 = 2 * col0 if (GATED and INTERLEAVED) else col0
-    if TMA:
-        hw = h_desc.load([row0, wn0])
-        hu = hw
-        if GATED and not INTERLEAVED:
-            hu = h_desc.load([row0, I + col0])
-    else:
-        rows = rm[:, None].to(tl.int64) * stride_hm
-        cols = wn0 + tl.arange(0, W_COLS)
-        limit = 2 * I if (GATED and INTERLEAVED) else I
-        mask = row_ok[:, None] & (cols[None, :] < limit)
-        hw = tl.load(h_ptr + rows + cols[None, :], mask=mask, other=0.0)
-        hu = hw
-        if GATED and not INTERLEAVED:
-            hu = tl.load(h_ptr + I + rows + cols[None, :], mask=mask, other=0.0)
-    g = hw.to(tl.float32)
-    u = hu.to(tl.float32)
-    if GATED and INTERLEAVED:
-        g, u = tl.split(g.reshape(g.shape[0], BLOCK_N, 2))
-    return g, u
 
 
 @triton.jit
@@ -237,114 +203,6 @@ def _mlp_fc1_kernel(
         _store_rows(out_ptr, rm, col0 + tl.arange(0, BLOCK_N), M, I, stride_om, 1, zeros)
 
 
-@triton.jit
-def _mlp_fc2_dgrad_kernel(
-    dy_ptr, w_ptr, h_ptr, probs_ptr, dh_ptr, a_ptr, dprobs_ptr, offs_ptr,
-    M, I, K, G, alpha, limit,
-    stride_dym, stride_dyk,
-    stride_wg, stride_wk, stride_wn,
-    stride_hm, stride_dhm, stride_am, stride_pm,
-    G_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_SMS: tl.constexpr,
-    ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PROBS: tl.constexpr,
-    W_COLS: tl.constexpr, TMA_DY: tl.constexpr, TMA_W: tl.constexpr,
-    W_K_CONTIGUOUS: tl.constexpr, TMA_H: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-):
-    """da = dy (M, K) @ w[g] (K, I) per group, then in the epilogue, from h (M, N1):
-    dh = act'(h) * da * probs, a = act(h) * probs (FC2's weight-gradient operand) and the
-    partial dot <da, act(h)> of every row over this program's columns (dprobs[r, pid_n]).
-
-    w is FC2's weight seen as (G, K=H, N=I): the (G, H, I) nn.Linear tensor itself.
-    """
-    pid = tl.program_id(0)
-    g_vec, starts, ends, m_tiles, tiles, tile_ends, num_n, group_tiles, rows_end = \
-        _row_tile_schedule(offs_ptr, G, M, I, G_PAD, BLOCK_M, BLOCK_N)
-    dy_desc = dy_ptr
-    w_desc = w_ptr
-    if TMA_DY:
-        dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[M, K], strides=[stride_dym, 1],
-                                            block_shape=[BLOCK_M, BLOCK_K])
-    if TMA_W:
-        if W_K_CONTIGUOUS:
-            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, I, K],
-                                               strides=[stride_wg, stride_wn, 1],
-                                               block_shape=[1, BLOCK_N, BLOCK_K])
-        else:
-            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, K, I],
-                                               strides=[stride_wg, stride_wk, 1],
-                                               block_shape=[1, BLOCK_K, BLOCK_N])
-
-    N1 = 2 * I if GATED else I
-    h_desc = h_ptr
-    dh_desc = dh_ptr
-    a_desc = a_ptr
-    if TMA_H:
-        h_desc = tl.make_tensor_descriptor(h_ptr, shape=[M, N1], strides=[stride_hm, 1],
-                                           block_shape=[BLOCK_M, W_COLS])
-        dh_desc = tl.make_tensor_descriptor(dh_ptr, shape=[M, N1], strides=[stride_dhm, 1],
-                                            block_shape=[BLOCK_M, W_COLS])
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, I], strides=[stride_am, 1],
-                                           block_shape=[BLOCK_M, BLOCK_N])
-
-    for tile in tl.range(pid, group_tiles, NUM_SMS, warp_specialize=WARP_SPECIALIZE == 2):
-        g, row0, m_end, pid_n = _row_tile(tile, g_vec, starts, ends, m_tiles, tiles, tile_ends,
-                                          num_n, BLOCK_M, GROUP_M)
-        col0 = pid_n * BLOCK_N
-        rm = row0 + tl.arange(0, BLOCK_M)
-        rn = col0 + tl.arange(0, BLOCK_N)
-        row_ok = rm < m_end
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        w_base = w_ptr + g.to(tl.int64) * stride_wg
-        for k0 in range(0, K, BLOCK_K):
-            d = _rows_tile(dy_desc, dy_ptr, row0, rm, row_ok, k0, K, stride_dym, stride_dyk,
-                           TMA_DY, BLOCK_K)
-            w = _weight_tile(w_desc, w_base, g, col0, k0, I, K, stride_wn, stride_wk, TMA_W,
-                             W_K_CONTIGUOUS, BLOCK_N, BLOCK_K)
-            acc = tl.dot(d, w, acc, input_precision=INPUT_PRECISION)
-
-        hg, hu = _load_gate_up(h_ptr, h_desc, row0, rm, row_ok, col0, I, stride_hm, TMA_H, GATED,
-                               INTERLEAVED, BLOCK_N, W_COLS)
-        if GATED:
-            act = gated_forward(hg, hu, ACT, alpha, limit)
-        else:
-            act = plain_forward(hg, ACT)
-        if HAS_PROBS:
-            p = tl.load(probs_ptr + rm, mask=row_ok, other=0.0).to(tl.float32)
-            tl.store(dprobs_ptr + rm.to(tl.int64) * stride_pm + pid_n, tl.sum(acc * act, 1),
-                     mask=row_ok)
-            acc = acc * p[:, None]
-            act = act * p[:, None]
-        if GATED:
-            dg, du = gated_backward(hg, hu, acc, ACT, alpha, limit)
-        else:
-            dg = plain_backward(hg, acc, ACT)
-            du = dg
-        dtype = dh_ptr.dtype.element_ty
-        if GATED and INTERLEAVED:
-            dg = tl.join(dg, du).reshape(BLOCK_M, W_COLS)
-        full = row0 + BLOCK_M <= m_end
-        _store_wide(dh_ptr, dh_desc, full, row0, rm, m_end, col0, I, stride_dhm, dg.to(dtype),
-                    du.to(dtype), TMA_H, GATED, INTERLEAVED, W_COLS)
-        _store_tile(a_ptr, a_desc, full, row0, rm, m_end, col0, I, stride_am, act.to(dtype),
-                    TMA_H, BLOCK_N)
-
-    tail_tiles = tl.cdiv(M - rows_end, BLOCK_M) * num_n
-    zeros_h = tl.zeros((BLOCK_M, W_COLS), dtype=dh_ptr.dtype.element_ty)
-    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=a_ptr.dtype.element_ty)
-    for local in range(pid, tail_tiles, NUM_SMS):
-        rm = rows_end + (local // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-        pid_n = local % num_n
-        col0 = pid_n * BLOCK_N
-        _store_wide(dh_ptr, dh_desc, False, 0, rm, M, col0, I, stride_dhm, zeros_h, zeros_h,
-                    False, GATED, INTERLEAVED, W_COLS)
-        _store_rows(a_ptr, rm, col0 + tl.arange(0, BLOCK_N), M, I, stride_am, 1, zeros)
-        if HAS_PROBS:
-            tl.store(dprobs_ptr + rm.to(tl.int64) * stride_pm + pid_n,
-                     tl.zeros((BLOCK_M,), dtype=tl.float32), mask=rm < M)
-
-
 # ----------------------------------------------------------------------------------------
 # Launchers
 
@@ -380,7 +238,8 @@ def mlp_fc1(x: torch.Tensor, source: torch.Tensor | None, top_k: int, w1: torch.
     gated = act in GATED
     interleaved = gated and gate_up_layout == "interleaved"
     offs = offs.contiguous()
-    cfg = mlp_fc1_config(size_hint(inter), size_hint(K), gated, x.dtype, x.device.type)
+    cfg = mlp_fc1_config(size_hint(inter), size_hint(K), gated, interleaved, x.dtype,
+                         x.device.type)
     w_cols = 2 * cfg.block_n if interleaved else cfg.block_n
     k_contig = _weight_k_contiguous(w1)
     w_inner = w1 if k_contig else w1.transpose(1, 2)
@@ -404,51 +263,5 @@ def mlp_fc1(x: torch.Tensor, source: torch.Tensor | None, top_k: int, w1: torch.
         STORE_H=h is not None, TMA_X=tma_x, TMA_W=tma_w, W_K_CONTIGUOUS=k_contig,
         TMA_OUT=tma_out, WARP_SPECIALIZE=cfg.warp_specialize,
         INPUT_PRECISION=_input_precision(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-
-
-def mlp_fc2_dgrad_columns(inter: int, dtype: torch.dtype, device_type: str) -> int:
-    """Column tiles of mlp_fc2_dgrad: the width of its partial dprobs (M, tiles)."""
-    return triton.cdiv(inter, mlp_fc2_dgrad_config(size_hint(inter), dtype, device_type).block_n)
-
-
-def mlp_fc2_dgrad(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, offs: torch.Tensor,
-                  probs: torch.Tensor | None, dh: torch.Tensor, a: torch.Tensor,
-                  dprobs_partial: torch.Tensor | None, activation: str, gate_up_layout: str,
-                  alpha: float, limit: float) -> None:
-    """dh (M, N1), a (M, I) and dprobs_partial (M, tiles) from dy (M, H), w2 (G, H, I), h."""
-    M, inter = a.shape
-    K = dy.shape[1]
-    G = int(w2.shape[0])
-    if M == 0 or inter == 0:
-        return
-    act = CODES[activation]
-    gated = act in GATED
-    offs = offs.contiguous()
-    cfg = mlp_fc2_dgrad_config(size_hint(inter), dy.dtype, dy.device.type)
-    # w2 (G, H, I) is B = (G, K, N); its inner dimension is I for an nn.Linear tensor.
-    k_contig = w2.stride(1) == 1 and w2.stride(2) != 1
-    w_inner = w2.transpose(1, 2) if k_contig else w2
-    tma_dy = K > 0 and _use_tma(dy)
-    tma_w = K > 0 and _use_tma(w_inner)
-    interleaved = gated and gate_up_layout == "interleaved"
-    tma_h = _epilogue_tma(cfg, inter, interleaved or not gated, h, dh, a)
-    num_programs = _num_sms(_device_index(dy)) * cfg.ctas_per_sm
-    has_probs = probs is not None
-    wrap_triton(_mlp_fc2_dgrad_kernel)[(num_programs,)](
-        dy, w2, h, probs if has_probs else dy, dh, a,
-        dprobs_partial if has_probs else dy, offs,
-        M, inter, K, G, float(alpha), float(limit),
-        dy.stride(0), dy.stride(1),
-        w2.stride(0), w2.stride(1), w2.stride(2),
-        h.stride(0), dh.stride(0), a.stride(0),
-        dprobs_partial.stride(0) if has_probs else 0,
-        G_PAD=_pad_groups(G),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        NUM_SMS=num_programs, ACT=act, GATED=gated, INTERLEAVED=interleaved,
-        HAS_PROBS=has_probs, W_COLS=2 * cfg.block_n if interleaved else cfg.block_n,
-        TMA_DY=tma_dy, TMA_W=tma_w, W_K_CONTIGUOUS=k_contig, TMA_H=tma_h,
-        WARP_SPECIALIZE=cfg.warp_specialize, INPUT_PRECISION=_input_precision(dy.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
