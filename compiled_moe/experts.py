@@ -1,7 +1,9 @@
 """The MoE experts block: route -> permute -> FC1 -> activation -> FC2 -> weighted combine.
 
-This is the unfused, sync-free path, composed of the package's ops; under torch.compile the
-activation fuses with its neighbours. It is the Hugging Face ExpertsInterface contract:
+Two sync-free paths composed of the package's ops: the fused MLP (route -> moe_mlp with the
+gather in FC1 -> combine), the default, and the unfused one (separate permute, grouped GEMMs
+and activation), which also takes a callable activation and FP8 recipes. It is the Hugging
+Face ExpertsInterface contract:
 hidden (T, H), topk_ids (T, k), topk_weights (T, k) -> (T, H).
 """
 
@@ -71,7 +73,7 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
                 *, activation: str | Callable[[Tensor], Tensor] = "swiglu", gate_up_layout: str = "stacked",
                 b1: Tensor | None = None, b2: Tensor | None = None,
                 alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT,
-                fp8_recipe: str | None = None, fused: bool = False) -> Tensor:
+                fp8_recipe: str | None = None, fused: bool | None = None) -> Tensor:
     """Run every token through its top-k experts and sum the outputs with the routing weights.
 
     ``out[t] = sum_s topk_weights[t, s] * FC2_e(act(FC1_e(hidden[t])))`` with e = topk_ids[t, s].
@@ -94,12 +96,12 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
             ``fp8_rowwise``, ``mxfp8``): both grouped GEMMs, forward and backward, run in FP8
             (see :func:`compiled_moe.fp8.fp8_grouped_mm`); weights stay in their dtype.
         fused: run the fused MLP (:func:`compiled_moe.moe_mlp`'s kernels: FC1 reads hidden
-            rows through the routing map, the activation runs in FC1's epilogue, backward
-            keeps only FC1's output and fuses the activation backward into FC2's dgrad).
-            Needs a named activation and no FP8 recipe. Off by default: it keeps less for
-            backward, but on the H200 (Qwen3-30B-A3B, T = 8192) it measured 1.06x faster
-            forward and 0.90x forward+backward against the unfused path
-            (benchmarks/RESULTS.md).
+            rows through the routing map and applies the activation in its epilogue; backward
+            keeps only FC1's output and recomputes the activation in one pass with its
+            backward). Needs a named activation and no FP8 recipe; None (the default) picks it
+            whenever those hold. It keeps 0.39x the memory for backward of the unfused path
+            at the same speed (H200, Qwen3-30B-A3B, T = 8192: forward 1.00x, forward+backward
+            1.02x; benchmarks/RESULTS.md).
 
     Returns:
         (T, H) in hidden's dtype. Differentiable in hidden, w1, w2, b1, b2 and topk_weights.
@@ -107,6 +109,8 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
     _check_experts_args(hidden, topk_ids, topk_weights, w1, w2, activation, gate_up_layout, b1, b2,
                         fp8_recipe)
     num_experts = w1.shape[0]
+    if fused is None:
+        fused = fp8_recipe is None and not callable(activation)
     if fused:
         if fp8_recipe is not None or callable(activation):
             raise ValueError("fused=True needs a named activation and no fp8_recipe")

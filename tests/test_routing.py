@@ -186,19 +186,21 @@ def _loop(inp, activation, layout):
                             inp["w2"], activation, layout, inp["b1"], inp["b2"])
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("activation,layout,biases", EXPERT_CASES)
-def test_experts_reference_matches_loop(activation, layout, biases):
+def test_experts_reference_matches_loop(activation, layout, biases, fused):
     inp = _experts_inputs(activation, biases)
-    got = cm.moe_experts(**inp, activation=activation, gate_up_layout=layout)
+    got = cm.moe_experts(**inp, activation=activation, gate_up_layout=layout, fused=fused)
     torch.testing.assert_close(got, _loop(inp, activation, layout).to(got.dtype))
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("activation,layout,biases", EXPERT_CASES)
-def test_experts_kernels_interpreter(activation, layout, biases):
+def test_experts_kernels_interpreter(activation, layout, biases, fused):
     inp = _experts_inputs(activation, biases, dtype=torch.float32)
     with kernels_on_cpu():
-        got = cm.moe_experts(**inp, activation=activation, gate_up_layout=layout)
-    ref32 = cm.moe_experts(**inp, activation=activation, gate_up_layout=layout)
+        got = cm.moe_experts(**inp, activation=activation, gate_up_layout=layout, fused=fused)
+    ref32 = cm.moe_experts(**inp, activation=activation, gate_up_layout=layout, fused=fused)
     assert_matches_oracle(got, _loop(inp, activation, layout), ref32)
 
 
@@ -214,13 +216,14 @@ def test_experts_gradcheck():
     torch.autograd.gradcheck(f, tuple(inp[n] for n in names))
 
 
-def test_experts_backward_kernels_interpreter():
+@pytest.mark.parametrize("fused", [True, False])
+def test_experts_backward_kernels_interpreter(fused):
     inp = _experts_inputs("swiglu", True, dtype=torch.float32, requires_grad=True)
     names = ["hidden", "topk_weights", "w1", "w2", "b1", "b2"]
     with kernels_on_cpu():
-        out = cm.moe_experts(**inp)
+        out = cm.moe_experts(**inp, fused=fused)
         grads = torch.autograd.grad(out, [inp[n] for n in names], torch.ones_like(out))
-    out_ref = cm.moe_experts(**inp)
+    out_ref = cm.moe_experts(**inp, fused=fused)
     want = torch.autograd.grad(out_ref, [inp[n] for n in names], torch.ones_like(out_ref))
     for n, got, exp in zip(names, grads, want):
         torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-4, msg=n)
