@@ -17,6 +17,7 @@ from torch import Tensor
 from compiled_moe.reference import (ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS,
                                     GPT_OSS_ALPHA, GPT_OSS_LIMIT, check_recipe)
 from compiled_moe.fp8 import fp8_grouped_mm
+from compiled_moe.kernels.configs import mlp_gathers_input
 from compiled_moe.mlp import _needs_grad, activation_constants
 from compiled_moe.ops._dispatch import check_same_device, check_tensor
 
@@ -96,7 +97,9 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
             ``fp8_rowwise``, ``mxfp8``): both grouped GEMMs, forward and backward, run in FP8
             (see :func:`compiled_moe.fp8.fp8_grouped_mm`); weights stay in their dtype.
         fused: run the fused MLP (:func:`compiled_moe.moe_mlp`'s kernels: FC1 reads hidden
-            rows through the routing map and applies the activation in its epilogue; backward
+            rows through the routing map (experts up to I = 4096; wider ones permute first,
+            see ``kernels.configs.mlp_gathers_input``) and applies the activation in its
+            epilogue; backward
             keeps only FC1's output and recomputes the activation in one pass with its
             backward). Needs a named activation and no FP8 recipe; None (the default) picks it
             whenever those hold. It keeps 0.39x the memory for backward of the unfused path
@@ -115,10 +118,16 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
         if fp8_recipe is not None or callable(activation):
             raise ValueError("fused=True needs a named activation and no fp8_recipe")
         offs, row_of, source = torch.ops.compiled_moe.moe_route(topk_ids, num_experts, 1)
-        y, _ = torch.ops.compiled_moe.moe_mlp(
-            hidden, offs, w1, w2, activation, gate_up_layout, b1=b1, b2=b2, source=source,
-            row_of=row_of, save_h=_needs_grad(hidden, w1, w2, b1, b2, topk_weights),
-            **activation_constants(activation, alpha, limit))
+        save_h = _needs_grad(hidden, w1, w2, b1, b2, topk_weights)
+        constants = activation_constants(activation, alpha, limit)
+        if mlp_gathers_input(w2.shape[2]):
+            y, _ = torch.ops.compiled_moe.moe_mlp(
+                hidden, offs, w1, w2, activation, gate_up_layout, b1=b1, b2=b2, source=source,
+                row_of=row_of, save_h=save_h, **constants)
+        else:
+            x = torch.ops.compiled_moe.moe_permute(hidden, row_of, source)
+            y, _ = torch.ops.compiled_moe.moe_mlp(x, offs, w1, w2, activation, gate_up_layout,
+                                                  b1=b1, b2=b2, save_h=save_h, **constants)
         return torch.ops.compiled_moe.moe_unpermute(y, row_of, source, topk_weights)
     # FP8: groups start on 16-row boundaries, so the FP8 weight-gradient kernel reads by TMA.
     pad = 1 if fp8_recipe is None else 16

@@ -175,9 +175,15 @@ def _experts(activation, biases, tokens=19, hidden=16, inter=8, experts=5, k=2,
                 b1=mk(experts, n1) if biases else None, b2=mk(experts, hidden) if biases else None)
 
 
+@pytest.mark.parametrize("gather", [True, False])
 @pytest.mark.parametrize("activation,layout,biases", [
     ("swiglu", "stacked", True), ("gpt_oss", "interleaved", True), ("relu2", "stacked", False)])
-def test_fused_experts_interpreter(activation, layout, biases):
+def test_fused_experts_interpreter(monkeypatch, activation, layout, biases, gather):
+    """gather: FC1 reads hidden rows through the routing map; else the block permutes first
+    (the choice for wide experts)."""
+    from compiled_moe import experts
+
+    monkeypatch.setattr(experts, "mlp_gathers_input", lambda inter: gather)
     inp = _experts(activation, biases)
     names = [n for n in ("hidden", "topk_weights", "w1", "w2", "b1", "b2") if inp[n] is not None]
     kw = _kw(activation, layout)
