@@ -207,12 +207,142 @@ def test_kernel_quantize_fused_row_and_column_interpreter(recipe, monkeypatch):
     _require_interpreter()
     from compiled_moe.ops import fp8 as fp8_ops
 
-    monkeypatch.setattr(fp8_ops, "FUSE_ROW_AND_COLUMN", True)
+    monkeypatch.setattr(fp8_ops, "FUSE_ROW_AND_COLUMN", ("fp8_blockwise", "mxfp8"))
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(150, 256, generator=gen).half()
     offs = random_offsets(150, 4, generator=gen, empty_groups=1, tail=6)
     got = _run_quantize_kernel(x, offs, recipe, True, True)
     _assert_same_quantization(got, R.grouped_quantize(x, offs, recipe, True, True))
+
+
+def _interpreter_fma_rounds_once() -> bool:
+    """True when the interpreter's fma rounds once, as the GPU's (Triton >= 3.9)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fma_probe(out_ptr):
+        a = tl.full((1,), 1.0 + 2.0 ** -12, tl.float32)
+        tl.store(out_ptr + tl.arange(0, 1), tl.math.fma(a, a, -(1.0 + 2.0 ** -11)))
+
+    out = torch.zeros(1)
+    fma_probe[(1,)](out)
+    return out.item() == 2.0 ** -24  # a product then a sum rounds it to 0
+
+
+def _special_values(M, K, gen):
+    """Values over six decades with NaN, +-Inf, zero rows, -0 and a row whose blocks' scales
+    are under 2^-90 (where the fma division hands over to a plain division)."""
+    x = torch.randn(M, K, generator=gen) * torch.logspace(-3, 3, M)[:, None]
+    x[3, 5] = float("nan")
+    x[3, 6] = -float("nan")  # sign bit set: the e4m3 NaN is 0x7F all the same
+    x[4, 9] = float("-inf")
+    x[8, K - 1] = float("inf")
+    x[6] = 0.0
+    x[7, : K // 2] = -0.0
+    x[10] *= 1e-32
+    return x
+
+
+def _assert_bitwise(got, want):
+    """Data compared as bytes (so -0 and +0 differ), scales as bits."""
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        view = {R.FP8_DTYPE: torch.uint8, torch.float32: torch.int32}.get(g.dtype, g.dtype)
+        assert torch.equal(g.view(view), w.view(view))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("fma_division", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_kernel_quantize_bitwise_special_values_interpreter(recipe, fma_division, fused,
+                                                            monkeypatch):
+    """Every kernel path bit for bit against the reference: the division by fma steps (the
+    GPU's; run here when the interpreter's fma rounds once), the fused and separate
+    row+column launches, and columnwise stores of groups aligned to 16 rows and not. The
+    columnwise blocks are read in one step, as on the GPU (the interpreter's small tile reads
+    them in several: the other tests)."""
+    _require_interpreter()
+    if recipe == "fp8_rowwise" and fused:
+        pytest.skip("fp8_rowwise has no fused launch")
+    import dataclasses
+
+    from compiled_moe.kernels import quantize
+    from compiled_moe.ops import fp8 as fp8_ops
+
+    if fma_division and not _interpreter_fma_rounds_once():
+        pytest.skip("this Triton's interpreter rounds an fma twice")
+    monkeypatch.setattr(quantize, "FMA_DIVISION", fma_division)
+    monkeypatch.setattr(fp8_ops, "FUSE_ROW_AND_COLUMN", ("fp8_blockwise", "mxfp8") if fused else ())
+    tile = quantize.quantize_config
+
+    def one_step(kind, device_type, cols=0):
+        cfg = tile(kind, device_type, cols)
+        return dataclasses.replace(cfg, block_m=128) if kind.startswith("group_columns_") else cfg
+
+    monkeypatch.setattr(quantize, "quantize_config", one_step)
+    gen = torch.Generator().manual_seed(12)
+    M, K = 160, 256
+    x = _special_values(M, K, gen)
+    # ends 32 and 80 are multiples of 16 (16-byte column stores), 101 and 144 are not; an
+    # empty group; 16 rows past the last group
+    offs = torch.tensor([32, 32, 80, 101, 144], dtype=torch.int32)
+    got = _run_quantize_kernel(x, offs, recipe, True, True)
+    _assert_bitwise(got, R.grouped_quantize(x, offs, recipe, True, True))
+
+
+def test_block_amax_nan_max_interpreter():
+    """The GPU's NaN-keeping amax (block_amax with NAN_MAX) equals the per-element one."""
+    _require_interpreter()
+    import triton
+    import triton.language as tl
+
+    import compiled_moe.kernels.quantize  # noqa: F401 (cm.kernels.quantize below)
+
+    @triton.jit
+    def amax_kernel(x_ptr, out_ptr, NAN_MAX: tl.constexpr):
+        r = tl.arange(0, 8)
+        c = tl.arange(0, 16)
+        x = tl.load(x_ptr + r[:, None] * 16 + c[None, :])
+        tl.store(out_ptr + r, cm.kernels.quantize.block_amax(x, 1, NAN_MAX))
+        tl.store(out_ptr + 8 + c, cm.kernels.quantize.block_amax(x, 0, NAN_MAX))
+
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(14))
+    x[1, 3] = float("nan")
+    x[2, 5] = float("-inf")
+    x[4] = 0.0
+    x[5, 0] = -1e30
+    abs_x = R._amax_nonfinite_as_inf(x)
+    want = torch.cat([abs_x.amax(1), abs_x.amax(0)])
+    for nan_max in (False, True):
+        out = torch.full((24,), -1.0)
+        amax_kernel[(1,)](x, out, nan_max)
+        assert torch.equal(out, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(reason="on the H200 (2026-11-23) the data bytes of rows with NaN, Inf, "
+                          "-0 or tiny values differed from the reference's in about K/2 "
+                          "elements per direction (scales equal; random inputs matched bit "
+                          "for bit); the bytes that differ are not yet identified",
+                   strict=False)
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("fused", [False, True])
+def test_quantize_bitwise_special_values_gpu(recipe, fused, monkeypatch):
+    """The GPU arithmetic (hardware e4m3 cast, fma division) bit for bit, data as bytes."""
+    from compiled_moe.ops import fp8 as fp8_ops
+
+    monkeypatch.setattr(fp8_ops, "FUSE_ROW_AND_COLUMN", ("fp8_blockwise", "mxfp8") if fused else ())
+    gen = torch.Generator().manual_seed(13)
+    M, K = 4096 + 160, 2880
+    x = _special_values(M, K, gen).to(torch.bfloat16).cuda()
+    x[11] = (torch.randn(K, generator=gen) * 1e-30).to(torch.bfloat16)  # divides
+    counts = torch.randint(0, 9, (31,), generator=gen) * 16  # aligned groups, then not
+    counts[20:] += torch.randint(0, 16, (11,), generator=gen)
+    offs = torch.cumsum(counts, 0).clamp(max=M - 7).to(torch.int32).cuda()
+    for directions in ((True, False), (False, True), (True, True)):
+        got = torch.ops.compiled_moe.grouped_quantize(x, offs, recipe, *directions)
+        _assert_bitwise(got, R.grouped_quantize(x, offs, recipe, *directions))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -182,20 +182,25 @@ def activation_config(inter: int, device_type: str) -> TileConfig:
 
 @functools.lru_cache(maxsize=None)
 def quantize_config(kind: str, device_type: str, cols: int = 0) -> TileConfig:
-    """Tiles of the FP8 quantize kernels (kernels/quantize.py): BLOCK_M rows x BLOCK_N columns
-    per program, grown to at least one scale block by the launcher. ``cols`` is the length of
-    the rows being quantized (a size hint: tiles never change results).
+    """Tiles of the FP8 quantize kernels (kernels/quantize.py), by kernel kind; ``cols`` is the
+    length of the rows being quantized (a size hint: tiles never change results).
 
-    The kernels are memory-bound: a program moves 8K elements (16 KB of bf16) so that the
-    per-program work (group lookup, scale stores) stays small, in 16-byte accesses along rows.
-      rows                        fp8_rowwise: whole rows up to 8192 columns in registers
-                                  (read once); BLOCK_M rows to make up 8K elements
-      tiles_1x128, tiles_1x32     rowwise blocks: 8 rows x 1024 columns (2 KB runs per row)
-      tiles_128x128               weights (quantized once per step)
+    The kernels are memory-bound when a program moves about 8K elements (16 KB of bf16) in
+    16-byte accesses and its registers leave room for two or more programs per SM; fewer
+    elements per thread repeat the per-block scale math and the group lookup more often.
+      rows                    fp8_rowwise: BLOCK_M rows x BLOCK_N columns, whole rows of up
+                              to 8192 columns in registers (read once)
+      tiles_1x128, tiles_1x32 rowwise blocks: BLOCK_M rows x BLOCK_N columns (2 KB per row)
+      tiles_128x128           weights (quantized once per step)
       group_columns_<rows>[_rowwise]  columnwise blocks of 128 (fp8_blockwise) or 32 (mxfp8)
-                                  rows: BLOCK_N columns of one block per program; _rowwise
-                                  also writes the rowwise blocks (BLOCK_N a multiple of them)
-      group_columns_whole         fp8_rowwise columnwise: BLOCK_M-row steps through a group
+                              rows, BLOCK_N columns per program, BLOCK_M rows of the block in
+                              registers at a time; _rowwise also writes the rowwise blocks.
+                              The fused 128 x 128 tile in one step took 169-196 registers a
+                              thread (one program per SM), in two steps of 64 rows 127.
+      group_columns_whole     fp8_rowwise columnwise: BLOCK_M-row steps through a group
+    Chosen from sm_90 instruction counts and registers; H200 figures with these tiles (fraction
+    of copy bandwidth, benchmarks/bench_quantize.py): rowwise-only 0.69-0.87, row+col 0.29-0.43
+    (the tiles before: 0.38-0.50 and 0.09-0.21). Alternatives: bench_quantize.py --tiles.
     """
     if device_type != "cuda":
         return _INTERPRETER_TILE
@@ -207,12 +212,12 @@ def quantize_config(kind: str, device_type: str, cols: int = 0) -> TileConfig:
         "tiles_1x32": TileConfig(block_m=8, block_n=1024, block_k=1, num_warps=8),
         "tiles_128x128": TileConfig(block_m=128, block_n=128, block_k=1, num_warps=8),
         "group_columns_128": TileConfig(block_m=128, block_n=64, block_k=1, num_warps=4),
-        "group_columns_128_rowwise": TileConfig(block_m=128, block_n=128, block_k=1,
+        "group_columns_128_rowwise": TileConfig(block_m=64, block_n=128, block_k=1,
                                                 num_warps=8),
         "group_columns_32": TileConfig(block_m=32, block_n=256, block_k=1, num_warps=4),
         "group_columns_32_rowwise": TileConfig(block_m=32, block_n=256, block_k=1,
                                                num_warps=4),
-        "group_columns_whole": TileConfig(block_m=64, block_n=128, block_k=1, num_warps=4),
+        "group_columns_whole": TileConfig(block_m=32, block_n=128, block_k=1, num_warps=4),
     }
     cfg = tiles[kind]
     _log(f"quantize {kind}", (cols,), cfg)

@@ -29,10 +29,12 @@ from compiled_moe.reference import FP8_DTYPE, check_recipe, fp8_block, fp8_colum
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# The columnwise kernel can also write the rowwise blocks of its tiles (x read once), but on
-# the H200 that fused launch ran at 0.06-0.12 of copy bandwidth against 0.4 for the rowwise
-# kernel alone (benchmarks/bench_fp8.py; not yet profiled), so two launches are the default.
-FUSE_ROW_AND_COLUMN = False
+# Recipes whose rowwise and columnwise output come from one launch: the columnwise kernel also
+# writes the rowwise blocks of its tiles, so x is read once. Measured on the H200 (2026-11-23,
+# row+col of the FC1 input of the four model shapes, fraction of copy bandwidth, fused against
+# two launches): mxfp8 0.38-0.43 against 0.28-0.35; fp8_blockwise 0.12-0.21 against 0.29-0.39
+# (its fused 128-row tile does twice the scale work per element and holds more registers).
+FUSE_ROW_AND_COLUMN = ("mxfp8",)
 
 
 def _kernels():
@@ -131,7 +133,7 @@ def _quantize_into(x, offs, recipe, rowwise, columnwise, outs) -> None:
         if columnwise:
             quantize.quantize_tiles(x.mT, col_data, col_scale, recipe, weight=True)
         return
-    fused = FUSE_ROW_AND_COLUMN and columnwise and rowwise and recipe != "fp8_rowwise"
+    fused = recipe in FUSE_ROW_AND_COLUMN and columnwise and rowwise
     if rowwise and not fused:
         quantize.quantize_tiles(x, data, scale, recipe, weight=False)
     if columnwise:
