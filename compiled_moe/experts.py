@@ -99,12 +99,11 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
         fused: run the fused MLP (:func:`compiled_moe.moe_mlp`'s kernels: FC1 reads hidden
             rows through the routing map (experts up to I = 4096; wider ones permute first,
             see ``kernels.configs.mlp_gathers_input``) and applies the activation in its
-            epilogue; backward
-            keeps only FC1's output and recomputes the activation in one pass with its
-            backward). Needs a named activation and no FP8 recipe; None (the default) picks it
-            whenever those hold. It keeps 0.39x the memory for backward of the unfused path
-            at the same speed (H200, Qwen3-30B-A3B, T = 8192: forward 1.00x, forward+backward
-            1.02x; benchmarks/RESULTS.md).
+            epilogue; backward keeps only FC1's output and recomputes the activation in one
+            pass with its backward). Needs a named activation and no FP8 recipe; None (the
+            default) picks it whenever those hold. It keeps 0.39-0.71x the memory for backward
+            of the unfused path at about the same speed (H200, compiled forward+backward
+            0.96-1.00x over the four model shapes, forward 0.96-1.14x; benchmarks/RESULTS.md).
 
     Returns:
         (T, H) in hidden's dtype. Differentiable in hidden, w1, w2, b1, b2 and topk_weights.
