@@ -132,3 +132,21 @@ def poison_allocator(nbytes):
     """Fill freed caching-allocator blocks with NaN so an unwritten output element shows."""
     torch.empty(nbytes // 4 + 1024, device="cuda").fill_(float("nan"))
     torch.cuda.synchronize()
+
+
+def assert_one_dynamic_compile(step, arg_sets, grad_inputs, rtol=1e-4, atol=1e-4):
+    """step (returning a scalar) compiled once, fullgraph and dynamic, over every args tuple of
+    arg_sets: its value and its gradients with respect to grad_inputs(args) equal eager's, and
+    inductor compiled one frame for all the sizes."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    for args in arg_sets:
+        wrt = grad_inputs(args)
+        got, want = compiled(*args), step(*args)
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+        for g, w in zip(torch.autograd.grad(got, wrt), torch.autograd.grad(want, wrt)):
+            torch.testing.assert_close(g, w, rtol=rtol, atol=atol)
+    assert counter.frame_count == 1

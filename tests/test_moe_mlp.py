@@ -11,7 +11,8 @@ from compiled_moe import reference
 from compiled_moe.kernels import configs
 from compiled_moe.mlp import WeightGradStore
 from compiled_moe.ops._dispatch import kernels_on_cpu
-from helpers import assert_matches_oracle, loop_bounds, loop_moe_experts, loop_route, random_offsets
+from helpers import (assert_matches_oracle, assert_one_dynamic_compile, loop_bounds,
+                     loop_moe_experts, loop_route, random_offsets)
 
 CASES = [  # activation, gate_up_layout, biases, probs
     ("swiglu", "stacked", False, False),
@@ -269,10 +270,6 @@ def test_opcheck(sample):
 
 
 def test_compile_dynamic_one_compile():
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("inductor")
     base = _inputs("swiglu", True, True, dtype=torch.float32, requires_grad=True)
     params = [base[n] for n in ("w1", "w2", "b1", "b2")]
 
@@ -280,19 +277,10 @@ def test_compile_dynamic_one_compile():
         return cm.moe_mlp(x, offs, params[0], params[1], probs=probs, b1=params[2],
                           b2=params[3]).sum()
 
-    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
-    for rows in (13, 30, 41):
-        inp = _inputs("swiglu", True, True, rows=rows, dtype=torch.float32, seed=rows,
-                      requires_grad=True)
-        args = (inp["x_sorted"], inp["offs"], inp["probs"])
-        got = compiled(*args)
-        got_grads = torch.autograd.grad(got, [args[0], args[2], *params])
-        want = step(*args)
-        want_grads = torch.autograd.grad(want, [args[0], args[2], *params])
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        for g, w in zip(got_grads, want_grads):
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
-    assert counter.frame_count == 1
+    sizes = [_inputs("swiglu", True, True, rows=rows, dtype=torch.float32, seed=rows,
+                     requires_grad=True) for rows in (13, 30, 41)]
+    assert_one_dynamic_compile(step, [(i["x_sorted"], i["offs"], i["probs"]) for i in sizes],
+                               lambda args: [args[0], args[2], *params])
 
 
 # ------------------------------------------------------------------ training features

@@ -8,7 +8,8 @@ import torch
 import compiled_moe as cm
 from compiled_moe import reference
 from compiled_moe.ops._dispatch import kernels_on_cpu
-from helpers import assert_matches_oracle, loop_moe_experts, loop_route
+from helpers import (assert_matches_oracle, assert_one_dynamic_compile, loop_moe_experts,
+                     loop_route)
 
 route = torch.ops.compiled_moe.moe_route
 permute = torch.ops.compiled_moe.moe_permute
@@ -274,29 +275,17 @@ def test_opcheck(sample):
 
 
 def test_experts_compile_dynamic_one_compile():
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("inductor")
     base = _experts_inputs("swiglu", True, dtype=torch.float32, requires_grad=True)
     params = [base[n] for n in ("w1", "w2", "b1", "b2")]
 
     def step(hidden, ids, weights):
         return cm.moe_experts(hidden, ids, weights, *params[:2], b1=params[2], b2=params[3]).sum()
 
-    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
-    for tokens in (11, 24, 37):
-        inp = _experts_inputs("swiglu", True, tokens=tokens, dtype=torch.float32, seed=tokens,
-                              requires_grad=True)
-        args = (inp["hidden"], inp["topk_ids"], inp["topk_weights"])
-        got = compiled(*args)
-        got_grads = torch.autograd.grad(got, [args[0], args[2], *params])
-        want = step(*args)
-        want_grads = torch.autograd.grad(want, [args[0], args[2], *params])
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        for g, w in zip(got_grads, want_grads):
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
-    assert counter.frame_count == 1
+    sizes = [_experts_inputs("swiglu", True, tokens=tokens, dtype=torch.float32, seed=tokens,
+                             requires_grad=True) for tokens in (11, 24, 37)]
+    assert_one_dynamic_compile(
+        step, [(i["hidden"], i["topk_ids"], i["topk_weights"]) for i in sizes],
+        lambda args: [args[0], args[2], *params])
 
 
 # ------------------------------------------------------------------ csrc, bad inputs
