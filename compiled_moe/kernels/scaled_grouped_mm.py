@@ -30,10 +30,11 @@ from compiled_moe.kernels.configs import (
 from compiled_moe.kernels.grouped_mm import (
     _INTERPRET,
     _device_index,
-    _group_bounds,
     _num_sms,
     _pad_groups,
     _pick,
+    _row_tile,
+    _row_tile_schedule,
     _store_rows,
     _use_tma,
 )
@@ -65,14 +66,8 @@ def _scaled_grouped_mm_kernel(
     """out[r] = a[r] @ b[g] for rows r of group g, a (M, K) and b (G, K, N) both K-major;
     rows past the last group get 0. Persistent tile schedule of _grouped_mm_kernel."""
     pid = tl.program_id(0)
-    g_vec, starts, ends = _group_bounds(offs_ptr, G, M, G_PAD)
-    sizes = ends - starts
-    num_n = tl.cdiv(N, BLOCK_N)
-    m_tiles = (sizes + BLOCK_M - 1) // BLOCK_M
-    tiles = m_tiles * num_n
-    tile_ends = tl.cumsum(tiles, 0)
-    group_tiles = tl.sum(tiles, 0)
-    rows_end = tl.max(ends, 0)
+    g_vec, starts, ends, m_tiles, tiles, tile_ends, num_n, group_tiles, rows_end = \
+        _row_tile_schedule(offs_ptr, G, M, N, G_PAD, BLOCK_M, BLOCK_N)
     tail_tiles = tl.cdiv(M - rows_end, BLOCK_M) * num_n
     if USE_TMA:
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
@@ -81,17 +76,8 @@ def _scaled_grouped_mm_kernel(
                                            block_shape=[1, BLOCK_N, BLOCK_K])
 
     for tile in tl.range(pid, group_tiles, NUM_SMS, warp_specialize=WARP_SPECIALIZE == 2):
-        g = tl.sum((tile_ends <= tile).to(tl.int32), 0)
-        local = tile - _pick(g_vec, g, tile_ends - tiles)
-        m_start = _pick(g_vec, g, starts)
-        m_end = _pick(g_vec, g, ends)
-        group_m_tiles = _pick(g_vec, g, m_tiles)
-        band_tiles = GROUP_M * num_n
-        first_m = (local // band_tiles) * GROUP_M
-        band_m = tl.minimum(group_m_tiles - first_m, GROUP_M)
-        pid_m = first_m + (local % band_tiles) % band_m
-        pid_n = (local % band_tiles) // band_m
-        row0 = m_start + pid_m * BLOCK_M
+        g, row0, m_end, pid_n = _row_tile(tile, g_vec, starts, ends, m_tiles, tiles, tile_ends,
+                                          num_n, BLOCK_M, GROUP_M)
         col0 = pid_n * BLOCK_N
         rm = row0 + tl.arange(0, BLOCK_M)
         rn = col0 + tl.arange(0, BLOCK_N)
