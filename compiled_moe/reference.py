@@ -312,7 +312,8 @@ def moe_mlp_fc2_dgrad(dy: Tensor, w2: Tensor, h: Tensor, offs: Tensor, probs: Te
 # fp32 scales are amax / 448; E8M0 exponents round up (the smallest power of two with
 # amax <= 448 * 2^e), so no value saturates. A block of zeros gets scale 1.0 (fp32) or byte 0
 # (2^-127); a block holding Inf or NaN gets scale +Inf (fp32) or byte 255 (E8M0 NaN), its
-# non-finite elements NaN data and its finite ones 0, so dequantizing shows the bad block.
+# non-finite elements NaN data and its finite ones 0 (with their sign), so dequantizing shows
+# the bad block.
 
 FP8_RECIPES = ("fp8_rowwise", "fp8_blockwise", "mxfp8")
 FP8_DTYPE = torch.float8_e4m3fn
@@ -384,8 +385,7 @@ def fp8_quantize_values(x: Tensor, scale: Tensor) -> Tensor:
     if scale.dtype == torch.uint8:
         exp = scale.to(torch.int32) - 127
         inv = ((127 - exp).clamp(1, 254) << 23).view(torch.float32)  # 2^-e, exact
-        q = x * inv
-        q = torch.where(scale == E8M0_NAN, 0.0, q)
+        q = x * torch.where(scale == E8M0_NAN, 0.0, inv)  # a NaN block's finite values: +-0
     else:
         q = x / scale
     q = torch.where(torch.isfinite(x), q.clamp(-FP8_MAX, FP8_MAX), float("nan"))

@@ -1,6 +1,6 @@
 """Offline check of the fma division of compiled_moe/kernels/quantize.py (`_divide`), exact
 emulation in numpy: for a divisor s and y = RN(1/s),
-    q = x*y;  r = fma(q, s, -x);  q = fma(-r, y, q);  r = fma(q, s, -x);  q = fma(-r, y, q)
+    q = x*y;  r = fma(q, s, -x);  q = fma(r, -y, q);  r = fma(q, s, -x);  q = fma(r, -y, q)
 must give the same e4m3 byte as RN_fp32(x / s) (sign of zero included), and equal it bit
 for bit wherever |x / s| >= 2^-12.
 
@@ -66,8 +66,8 @@ def fma_divide(x, s):
     with np.errstate(all="ignore"):
         y = div32(np.ones_like(s), s)  # RN(1/s)
         q = x * y
-        q = fma32(-fma32(q, s, -x), y, q)
-        q = fma32(-fma32(q, s, -x), y, q)
+        q = fma32(fma32(q, s, -x), -y, q)
+        q = fma32(fma32(q, s, -x), -y, q)
     return q
 
 

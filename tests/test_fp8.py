@@ -321,11 +321,6 @@ def test_block_amax_nan_max_interpreter():
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(reason="on the H200 (2026-11-23) the data bytes of rows with NaN, Inf, "
-                          "-0 or tiny values differed from the reference's in about K/2 "
-                          "elements per direction (scales equal; random inputs matched bit "
-                          "for bit); the bytes that differ are not yet identified",
-                   strict=False)
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("fused", [False, True])
 def test_quantize_bitwise_special_values_gpu(recipe, fused, monkeypatch):

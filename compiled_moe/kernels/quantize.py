@@ -89,21 +89,21 @@ def quantize_values(x, scale, E8M0: tl.constexpr, NATIVE_CAST: tl.constexpr = Fa
     is Inf or NaN (such a block's scale is Inf, or the E8M0 NaN byte with its finite values 0).
 
     The quotient is already NaN exactly where the result must be: x / Inf is NaN for x = Inf
-    or NaN and +-0 for finite x; for the E8M0 NaN byte, x * 0 + 0 is NaN or +0 (one fma, and
-    -0 + -0 keeps the sign of zeros in other blocks). NATIVE_CAST (GPU): the hardware fp32 ->
-    e4m3 conversion (cvt.rn.satfinite) rounds to nearest even, saturates finite values to
-    +-448 and turns any NaN into 0x7F: the reference's clamp and cast, one instruction per two
-    values. The Triton interpreter's cast rounds ties away (and can lose a binade), so without
-    NATIVE_CAST the value is clamped and rounded in fp32 first and NaN written as 0x7F.
-    FMA_DIVISION: see _divide. On the H200, random data quantized bit for bit as the
-    reference, but rows holding NaN, Inf, -0 or tiny values did not all (the xfail in
-    tests/test_fp8.py, not yet diagnosed); the interpreter matches the reference on them.
+    or NaN and +-0 for finite x, and so is x * 0 for the E8M0 NaN byte. NATIVE_CAST (GPU): the
+    hardware fp32 -> e4m3 conversion (cvt.rn.satfinite) rounds to nearest even, saturates
+    finite values to +-448 and turns any NaN into 0x7F: the reference's clamp and cast, one
+    instruction per two values. The Triton interpreter's cast rounds ties away (and can lose a
+    binade), so without NATIVE_CAST the value is clamped and rounded in fp32 first and NaN
+    written as 0x7F. FMA_DIVISION: see _divide.
+
+    Signed zeros: -0 must quantize to 0x80 as in the reference. No step here adds a zero
+    constant or negates an fma's result: on the GPU, an earlier form (an fma adding a select
+    of +-0, a negated remainder fma) returned +0 for x = -0.
     """
     if E8M0:
-        nan_block = scale == 255
         exp = scale.to(tl.int32) - 127
         inv = (tl.minimum(tl.maximum(127 - exp, 1), 254) << 23).to(tl.float32, bitcast=True)
-        q = tl.math.fma(x, tl.where(nan_block, 0.0, inv), tl.where(nan_block, 0.0, -0.0))
+        q = x * tl.where(scale == 255, 0.0, inv)
     else:
         q = _divide(x, scale, FMA_DIVISION)
     if NATIVE_CAST:
@@ -132,9 +132,10 @@ def _divide(x, scale, FMA_DIVISION: tl.constexpr):
         regular = (scale >= FMA_DIVISION_MIN_SCALE) & (scale < float("inf"))
         if tl.min(tl.min(regular.to(tl.int32), 1), 0) == 1:  # scale is 2-D, per block
             y = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+            neg_y = -y  # per block; the remainder itself is never negated (signed zeros)
             q = x * y
-            q = tl.math.fma(-tl.math.fma(q, scale, -x), y, q)
-            q = tl.math.fma(-tl.math.fma(q, scale, -x), y, q)
+            q = tl.math.fma(tl.math.fma(q, scale, -x), neg_y, q)
+            q = tl.math.fma(tl.math.fma(q, scale, -x), neg_y, q)
         else:
             q = tl.math.div_rn(x, scale)
     else:
