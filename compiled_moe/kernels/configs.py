@@ -199,8 +199,12 @@ def quantize_config(kind: str, device_type: str, cols: int = 0) -> TileConfig:
                               thread (one program per SM), in two steps of 64 rows 127.
       group_columns_whole     fp8_rowwise columnwise: BLOCK_M-row steps through a group
     Chosen from sm_90 instruction counts and registers; H200 figures with these tiles (fraction
-    of copy bandwidth, benchmarks/bench_quantize.py): rowwise-only 0.69-0.87, row+col 0.29-0.43
+    of copy bandwidth, benchmarks/bench_quantize.py): rowwise-only 0.75-0.92, row+col 0.32-0.42
     (the tiles before: 0.38-0.50 and 0.09-0.21). Alternatives: bench_quantize.py --tiles.
+    group_columns_128 alone (column launch, fraction of copy, DeepSeek-V3 / Qwen3): 128 x 64 at
+    4 warps 0.47 / 0.45 (128 registers); 128 x 32 at 2 warps 0.48 / 0.45, at 4 warps 0.41 /
+    0.38; 128 x 64 at 8 warps 0.35 / 0.32; 128 x 128 at 8 warps 0.40 / 0.36; 64-row steps
+    0.37-0.39 / 0.35-0.37.
     """
     if device_type != "cuda":
         return _INTERPRETER_TILE

@@ -501,7 +501,9 @@ def quantize_group_columns(x, offs, col_q, col_s, row_q, row_s, recipe: str) -> 
     _, row_block = reference.fp8_block(recipe)
     kind = f"group_columns_{block_rows}" + ("_rowwise" if rowwise else "")
     cfg = quantize_config(kind, x.device.type, size_hint(K))
-    block_k = max(cfg.block_n, row_block)
+    # Rowwise blocks need whole 1 x row_block blocks in a tile; columnwise blocks alone do not
+    # (a 128 x 128 tile there took 254 registers a thread, 2 programs per SM).
+    block_k = max(cfg.block_n, row_block) if rowwise else cfg.block_n
     step_rows = math.gcd(max(cfg.block_m, 1), block_rows)  # rows per step: divides the block
     grid = (col_s.shape[1] * triton.cdiv(K, block_k),)
     rq, rs = (row_q, row_s) if rowwise else (col_q, col_s)
