@@ -16,9 +16,8 @@ from torch import Tensor
 
 from compiled_moe.reference import (ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS,
                                     GPT_OSS_ALPHA, GPT_OSS_LIMIT, check_recipe)
-from compiled_moe.fp8 import fp8_grouped_mm
 from compiled_moe.kernels.configs import mlp_gathers_input
-from compiled_moe.mlp import _needs_grad, activation_constants
+from compiled_moe.mlp import _needs_grad, activation_constants, apply_activation, grouped_linear
 from compiled_moe.ops._dispatch import check_same_device, check_tensor
 
 
@@ -56,18 +55,6 @@ def _check_experts_args(hidden, topk_ids, topk_weights, w1, w2, activation, gate
                       w2=w2, b1=b1, b2=b2)
     if fp8_recipe is not None:
         check_recipe(fp8_recipe)
-
-
-def _activation(h, activation, gate_up_layout, alpha, limit):
-    return torch.ops.compiled_moe.moe_activation(h, activation, gate_up_layout,
-                                                 **activation_constants(activation, alpha, limit))
-
-
-def _grouped_linear(x, w, offs, bias, fp8_recipe):
-    """x @ w[g].T (+ bias[g]) for a (G, N, K) weight, in x's dtype or in FP8."""
-    if fp8_recipe is None:
-        return torch.ops.compiled_moe.grouped_mm(x, w.transpose(-2, -1), offs, bias)
-    return fp8_grouped_mm(x, w.transpose(-2, -1), offs, recipe=fp8_recipe, bias=bias)
 
 
 def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor,
@@ -132,10 +119,10 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
     pad = 1 if fp8_recipe is None else 16
     offs, row_of, source = torch.ops.compiled_moe.moe_route(topk_ids, num_experts, pad)
     x = torch.ops.compiled_moe.moe_permute(hidden, row_of, source)
-    h = _grouped_linear(x, w1, offs, b1, fp8_recipe)
+    h = grouped_linear(x, w1, offs, b1, fp8_recipe)
     if callable(activation):
         a = activation(h)
     else:
-        a = _activation(h, activation, gate_up_layout, alpha, limit)
-    y = _grouped_linear(a, w2, offs, b2, fp8_recipe)
+        a = apply_activation(h, activation, gate_up_layout, alpha, limit)
+    y = grouped_linear(a, w2, offs, b2, fp8_recipe)
     return torch.ops.compiled_moe.moe_unpermute(y, row_of, source, topk_weights)

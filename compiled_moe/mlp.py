@@ -9,8 +9,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from compiled_moe.fp8 import fp8_grouped_mm
 from compiled_moe.ops import moe_mlp as mlp_ops
-from compiled_moe.reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT
+from compiled_moe.reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, check_recipe
 
 
 def _needs_grad(*tensors: Tensor | None) -> bool:
@@ -24,6 +25,21 @@ def activation_constants(activation: str, alpha: float, limit: float) -> dict:
     if activation != "gpt_oss" or (alpha == GPT_OSS_ALPHA and limit == GPT_OSS_LIMIT):
         return {}
     return {"alpha": alpha, "limit": limit}
+
+
+def apply_activation(h: Tensor, activation: str, gate_up_layout: str, alpha: float,
+                     limit: float) -> Tensor:
+    """The moe_activation op, constants passed only where they differ from its defaults."""
+    return torch.ops.compiled_moe.moe_activation(h, activation, gate_up_layout,
+                                                 **activation_constants(activation, alpha, limit))
+
+
+def grouped_linear(x: Tensor, w: Tensor, offs: Tensor, bias: Tensor | None,
+                   fp8_recipe: str | None) -> Tensor:
+    """x @ w[g].T (+ bias[g]) for a (G, N, K) weight, in x's dtype or in FP8."""
+    if fp8_recipe is None:
+        return torch.ops.compiled_moe.grouped_mm(x, w.transpose(-2, -1), offs, bias)
+    return fp8_grouped_mm(x, w.transpose(-2, -1), offs, recipe=fp8_recipe, bias=bias)
 
 
 class WeightGradStore:
@@ -130,7 +146,8 @@ def moe_mlp(x_sorted: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, *, activatio
             b1: Tensor | None = None, b2: Tensor | None = None, alpha: float = GPT_OSS_ALPHA,
             limit: float = GPT_OSS_LIMIT, fuse_wgrad_accumulation: bool = False,
             accumulate_mask: Tensor | None = None,
-            wgrad_store: WeightGradStore | None = None) -> Tensor:
+            wgrad_store: WeightGradStore | None = None,
+            fp8_recipe: str | None = None) -> Tensor:
     """FC1 -> activation (* probs) -> FC2 per expert, on rows already sorted by expert.
 
     ``y[r] = (act(x[r] @ w1[g]^T + b1[g]) * probs[r]) @ w2[g]^T + b2[g]`` for the rows r of
@@ -162,10 +179,19 @@ def moe_mlp(x_sorted: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, *, activatio
             gradients only; ``wgrad_store.compute()`` later computes the weight gradients
             (into main_grad, or added to the weights' ``.grad``).
         The last three run in eager mode only.
+        fp8_recipe: None, or an FP8 recipe (``fp8_blockwise``, ``fp8_rowwise``, ``mxfp8``):
+            both GEMMs of forward and backward run in FP8 (:func:`compiled_moe.fp8_grouped_mm`;
+            H and I multiples of 16), the activation between them in x's dtype. Unfused:
+            three steps each way, the activation kept for backward. Not combined with the
+            three training options above yet.
 
     Returns:
         (M, H) in x's dtype. Differentiable in x_sorted, w1, w2, probs, b1 and b2.
     """
+    if fp8_recipe is not None:
+        return _fp8_mlp(x_sorted, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, alpha,
+                        limit, fuse_wgrad_accumulation or accumulate_mask is not None
+                        or wgrad_store is not None, fp8_recipe)
     if fuse_wgrad_accumulation or accumulate_mask is not None or wgrad_store is not None:
         _check_training_args(w1, w2, fuse_wgrad_accumulation, accumulate_mask, wgrad_store)
         return _MoEMLPTraining.apply(x_sorted, offs, w1, w2, probs, b1, b2, activation,
@@ -176,3 +202,18 @@ def moe_mlp(x_sorted: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, *, activatio
                                           save_h=_needs_grad(x_sorted, w1, w2, probs, b1, b2),
                                           **activation_constants(activation, alpha, limit))
     return y
+
+
+def _fp8_mlp(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, alpha, limit,
+             training_options, fp8_recipe):
+    """moe_mlp with FP8 GEMMs: FC1, the activation (* probs) in x's dtype, FC2."""
+    check_recipe(fp8_recipe)
+    if training_options:
+        raise ValueError("fp8_recipe does not combine with fuse_wgrad_accumulation, "
+                         "accumulate_mask or wgrad_store yet")
+    mlp_ops.check_inputs(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2)
+    h = grouped_linear(x, w1, offs, b1, fp8_recipe)
+    a = apply_activation(h, activation, gate_up_layout, alpha, limit)
+    if probs is not None:
+        a = a * probs[:, None].to(a.dtype)
+    return grouped_linear(a, w2, offs, b2, fp8_recipe)

@@ -39,7 +39,9 @@ def _inter(w1: Tensor, activation: str):
     return w1.shape[1] // 2 if activation in GATED_ACTIVATIONS else w1.shape[1]
 
 
-def _check(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, source, row_of) -> None:
+def check_inputs(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, source=None,
+                 row_of=None) -> None:
+    """Host-side checks of moe_mlp's arguments (shapes, dtypes, devices; no data reads)."""
     check_tensor("x", x, 2)
     check_tensor("w1", w1, 3)
     check_tensor("w2", w2, 3)
@@ -102,7 +104,7 @@ def _moe_mlp(x: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, activation: str,
              source: Optional[Tensor] = None, row_of: Optional[Tensor] = None,
              alpha: float = reference.GPT_OSS_ALPHA, limit: float = reference.GPT_OSS_LIMIT,
              save_h: bool = True) -> tuple[Tensor, Tensor]:
-    _check(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, source, row_of)
+    check_inputs(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, source, row_of)
     top_k = 1 if row_of is None else row_of.shape[1]
     if not use_kernel(x):
         y, h = reference.moe_mlp(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2,
@@ -123,7 +125,7 @@ def _moe_mlp(x: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, activation: str,
 def _(x, offs, w1, w2, activation, gate_up_layout="stacked", probs=None, b1=None, b2=None,
       source=None, row_of=None, alpha=reference.GPT_OSS_ALPHA, limit=reference.GPT_OSS_LIMIT,
       save_h=True):
-    _check(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, source, row_of)
+    check_inputs(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, source, row_of)
     return _outputs(x, w1, activation, source, save_h)
 
 
