@@ -31,7 +31,11 @@ class TileConfig:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
-    warp_specialize: int = 0  # producer/consumer warps: 0 none, 1 on the K loop, 2 on the tile loop
+    # Producer/consumer warps (tl.range(warp_specialize=True)): 0 none, 1 on the K loop, 2 on the
+    # tile loop. On Triton 3.6 for sm_90 it is a no-op: the grouped GEMM, FP8 and fused FC1
+    # kernels compile to the same PTX with 0, 1 or 2, and the weight-gradient kernel fails to
+    # compile with 1 or 2 (NVGPUWarpSpecialization). Kept for newer Triton versions.
+    warp_specialize: int = 0
     ctas_per_sm: int = 1  # persistent programs per SM: 2 lets one's epilogue overlap the other
     epilogue_tma: int = 0  # fused FC1: epilogue tiles (h, out) by TMA instead of pointers
 
@@ -82,10 +86,9 @@ def grouped_mm_config(n: int, k: int, dtype: torch.dtype, device_type: str) -> T
             return TileConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=3)
         # 128x256x64, 8 warps, 3 stages was the fastest or within 3% of it on every bf16
         # shape of the benchmark (H200 sweep; 4 stages no longer fit beside the TMA-store
-        # buffer). Warp-specializing the tile loop gained 0-7% on most shapes (DeepSeek fc2
-        # dgrad +7%, Qwen3 fc1 forward +5%) and lost at most 2-3% (DeepSeek fc1 forward).
-        return TileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3,
-                          warp_specialize=2)
+        # buffer). A sweep also timed warp_specialize=2 at +7% to -3% per shape: the same PTX
+        # (see TileConfig.warp_specialize), so that is the spread between runs.
+        return TileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
 
     return _choose("grouped_mm", (n, k, str(dtype)), device_type, heuristic)
 
@@ -123,10 +126,11 @@ def mlp_fc1_config(inter: int, k: int, gated: bool, interleaved: bool, dtype: to
     half the grouped GEMM's 256-column tile: the same accumulator size.
     H200 sweeps (skewed routing, microseconds, the unfused grouped_mm + moe_activation in the
     same run in brackets). Qwen3 T = 8192 (M = 65536, H = 2048, I = 768, stacked), 128x128x64,
-    8 warps: 3 stages 847 (860), with the TMA epilogue 837, warp-specialized tile loop 829,
-    both at 4 stages 764; an earlier run: 2 CTAs/SM 882, 128x64 997-1086, 64x128 1068.
-    GPT-OSS (interleaved, M = 16384): 3 stages 1646 (1815), warp-specialized 1747; the TMA
-    epilogue's 128x256 h tile does not fit in shared memory beside 3 stages.
+    8 warps: 3 stages 847 (860), with the TMA epilogue 837, warp_specialize=2 829 (the same
+    PTX: run-to-run spread, see TileConfig.warp_specialize), 4 stages with the TMA epilogue
+    764; an earlier run: 2 CTAs/SM 882, 128x64 997-1086, 64x128 1068. GPT-OSS (interleaved,
+    M = 16384): 3 stages 1646 (1815); the TMA epilogue's 128x256 h tile does not fit in shared
+    memory beside 3 stages.
     """
     def heuristic():
         if dtype == torch.float32:
@@ -134,7 +138,7 @@ def mlp_fc1_config(inter: int, k: int, gated: bool, interleaved: bool, dtype: to
                               num_warps=8, num_stages=3)
         if gated and not interleaved:
             return TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
-                              warp_specialize=2, epilogue_tma=1)
+                              epilogue_tma=1)
         return TileConfig(block_m=128, block_n=128 if gated else 256, block_k=64, num_warps=8,
                           num_stages=3)
 
@@ -240,12 +244,11 @@ def scaled_grouped_mm_config(n: int, k: int, recipe: str, device_type: str) -> T
         if recipe == "mxfp8":  # bf16 dots on dequantized chunks: the bf16 kernel's shape
             return TileConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
         # H200 sweep, uniform fc1 of DeepSeek-V3 / Qwen3 (TFLOP/s, blockwise and rowwise):
-        # 128x128, 4 stages, warp-specialized tile loop 687/577 and 1009/706; 128x256 (no
-        # specialization, either kind) 492/430 and 921/707; 128x128 at 2 CTAs/SM 678/567 and
-        # 816/612; 64x256 at 2 CTAs/SM 349/336. Blockwise waits for every 128-deep dot before
-        # scaling it, so smaller tiles with a producer warp keep the tensor cores busier.
-        return TileConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4,
-                          warp_specialize=2)
+        # 128x128, 4 stages 687/577 and 1009/706 (timed with warp_specialize=2, the same PTX);
+        # 128x256 492/430 and 921/707; 128x128 at 2 CTAs/SM 678/567 and 816/612; 64x256 at
+        # 2 CTAs/SM 349/336. Blockwise waits for every 128-deep dot before scaling it (one
+        # wgmma.wait_group 0 per dot in the PTX): the reason it trails rowwise.
+        return TileConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
 
     return _choose("scaled_grouped_mm", (n, k, recipe), device_type, heuristic)
 

@@ -136,8 +136,9 @@ def _grouped_mm_kernel(
         out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[stride_om, 1],
                                              block_shape=[BLOCK_M, BLOCK_N])
 
-    # WARP_SPECIALIZE 1 splits the K loop, 2 this loop, into producer and consumer warps.
-    # (Triton 3.6 fails to compile this loop with flatten=True.)
+    # WARP_SPECIALIZE 1 asks for producer and consumer warps on the K loop, 2 on this loop (no
+    # effect on Triton 3.6 for sm_90: configs.TileConfig). Triton 3.6 fails to compile this
+    # loop with flatten=True.
     for tile in tl.range(pid, group_tiles, NUM_SMS, warp_specialize=WARP_SPECIALIZE == 2):
         g, row0, m_end, pid_n = _row_tile(tile, g_vec, starts, ends, m_tiles, tiles, tile_ends,
                                           num_n, BLOCK_M, GROUP_M)
