@@ -453,7 +453,7 @@ def _math():
 
 def quantize_tiles(x, q, s, recipe: str, weight: bool) -> None:
     """Rowwise blocks of x (R, C) or (G, R, C) into q (same shape) and s (block grid)."""
-    x3, q3, s3 = (t if t.dim() == 3 else t[None] for t in (x, q, s))
+    x3, q3, s3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (x, q, s))
     num_groups, rows, cols = x3.shape
     if rows == 0 or cols == 0:
         return
