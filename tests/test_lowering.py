@@ -2,7 +2,7 @@
 the graph itself), the rewritten graphs give the float64 loop's results and gradients, dynamic
 token counts compile once, the named backend and enable() run them through inductor, an
 unknown torch version falls back to the plain ops, and a MoE block exports and runs from an
-AOTInductor package."""
+AOTInductor package and under cpp_wrapper."""
 
 from __future__ import annotations
 
@@ -312,27 +312,30 @@ def test_unknown_torch_version_falls_back(monkeypatch):
     assert spy.counts == []
 
 
-# ------------------------------------------------------------------ torch.export + AOTInductor
+# ------------------------------------------------------------------ torch.export, AOTInductor, cpp_wrapper
+
+
+class _MoEBlock(torch.nn.Module):
+    """Router + MoEExperts + residual: a model's MoE layer, small."""
+
+    def __init__(self):
+        import compiled_moe as cm
+
+        super().__init__()
+        self.router = torch.nn.Linear(64, 8, bias=False)
+        self.experts = cm.MoEExperts(8, 64, 32)
+
+    def forward(self, x):
+        weights, ids = torch.softmax(self.router(x), -1).topk(2, -1)
+        return x + self.experts(x, ids, weights)
 
 
 def test_export_and_aot_inductor_package(tmp_path):
-    """A MoE block (router, MoEExperts, residual) exported with a dynamic token count, packaged
-    by AOTInductor, loaded and run at two token counts: the same as eager. (The GPU tier's
-    version skips where the torch build cannot load any package.)"""
-    import compiled_moe as cm
-
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.router = torch.nn.Linear(64, 8, bias=False)
-            self.experts = cm.MoEExperts(8, 64, 32)
-
-        def forward(self, x):
-            weights, ids = torch.softmax(self.router(x), -1).topk(2, -1)
-            return x + self.experts(x, ids, weights)
-
+    """The block exported with a dynamic token count, packaged by AOTInductor, loaded and run at
+    two token counts: the same as eager. (The GPU tier's version skips where the torch build
+    cannot load any package.)"""
     torch.manual_seed(0)
-    block = Block()
+    block = _MoEBlock()
     tokens = torch.export.Dim("tokens", min=2, max=8192)
     with torch.no_grad():
         ep = torch.export.export(block, (torch.randn(100, 64),), dynamic_shapes=({0: tokens},))
@@ -342,3 +345,16 @@ def test_export_and_aot_inductor_package(tmp_path):
         for t in (100, 333):
             x = torch.randn(t, 64)
             torch.testing.assert_close(runner(x), block(x), rtol=1e-5, atol=1e-5)
+
+
+def test_cpp_wrapper_cpu():
+    """inductor's cpp_wrapper (C++ instead of Python around the kernels) runs the block like
+    eager on CPU (the GPU tier's version is a known failure on torch 2.11, marked xfail)."""
+    torch.manual_seed(0)
+    block = _MoEBlock()
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True, options={"cpp_wrapper": True})
+    with torch.no_grad():
+        for t in (100, 333):
+            x = torch.randn(t, 64)
+            torch.testing.assert_close(compiled(x), block(x), rtol=1e-5, atol=1e-5)
