@@ -19,6 +19,19 @@ import torch
 f32, f64 = np.float32, np.float64
 
 
+def _round_f32(v64, side):
+    """v64 (float64, an fp32 rounding of an exact value) to float32, nearest even, where a tie
+    of v64 between two fp32 values is broken by side: the sign of exact - v64 (0: a true tie)."""
+    r = v64.astype(f32)
+    r64 = r.astype(f64)
+    toward = np.where(v64 > r64, f32(np.inf), f32(-np.inf)).astype(f32)
+    other = np.nextafter(r, toward)
+    o64 = other.astype(f64)
+    midpoint = (v64 != r64) & (np.abs(v64 - r64) == np.abs(o64 - v64))
+    take_other = midpoint & (side != 0) & (np.sign(o64 - v64) == side)
+    return np.where(take_other, other, r).astype(f32)
+
+
 def fma32(a, b, c):
     """fp32 fma with one rounding: exact product and sum in float64 + error term (TwoSum)."""
     a64, b64, c64 = a.astype(f64), b.astype(f64), c.astype(f64)
@@ -27,15 +40,8 @@ def fma32(a, b, c):
     bp = t - c64
     ap = t - bp
     err = (p - ap) + (c64 - bp)  # p + c == t + err exactly
-    r = t.astype(f32)
-    r64 = r.astype(f64)
-    toward = np.where(t > r64, f32(np.inf), f32(-np.inf)).astype(f32)
-    other = np.nextafter(r, toward)
-    o64 = other.astype(f64)
-    midpoint = (t != r64) & (np.abs(t - r64) == np.abs(o64 - t))
     # t on a float32 midpoint: the exact sum lies on err's side of it
-    take_other = midpoint & (err != 0) & (np.sign(o64 - t) == np.sign(err))
-    out = np.where(take_other, other, r)
+    out = _round_f32(t, np.sign(err))
     # zero results: sign by IEEE rules (exact zero sum of opposite signs is +0)
     exact_zero = (t == 0) & (err == 0)
     same_sign_zero = (p == 0) & (c64 == 0) & (np.signbit(p) == np.signbit(c64))
@@ -48,16 +54,8 @@ def div32(x, s):
     """RN_fp32(x / s) exactly (float64 quotient, with the double-rounding case resolved)."""
     x64, s64 = x.astype(f64), s.astype(f64)
     q64 = x64 / s64
-    r = q64.astype(f32)
-    r64 = r.astype(f64)
-    toward = np.where(q64 > r64, f32(np.inf), f32(-np.inf)).astype(f32)
-    other = np.nextafter(r, toward)
-    o64 = other.astype(f64)
-    midpoint = (q64 != r64) & (np.abs(q64 - r64) == np.abs(o64 - q64))
     # x/s is never exactly an fp32 midpoint; its side is the sign of x - mid * s (exact here)
-    side = np.sign(x64 - q64 * s64) * np.sign(s64)
-    take_other = midpoint & (np.sign(o64 - q64) == side)
-    return np.where(take_other, other, r).astype(f32)
+    return _round_f32(q64, np.sign(x64 - q64 * s64) * np.sign(s64))
 
 
 def fma_divide(x, s):
