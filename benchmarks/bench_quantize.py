@@ -32,11 +32,13 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import compiled_moe as cm  # noqa: E402
 from compiled_moe import reference as R  # noqa: E402
 from compiled_moe.ops import fp8 as fp8_ops  # noqa: E402
 from common import group_counts  # noqa: E402
+from helpers import special_values  # noqa: E402  (the quantizer tests' special input)
 
 try:
     import quant_baseline  # noqa: E402
@@ -82,21 +84,6 @@ def mismatches(got, want):
         else:
             bad.append(int((as_bits(g) != as_bits(w)).sum()))
     return bad
-
-
-def special_input(M, K, gen_seed=5):
-    """bf16 values over six decades with NaN, +-Inf, a zero row, -0, tiny blocks."""
-    g = torch.Generator(device=DEVICE).manual_seed(gen_seed)
-    x = torch.randn(M, K, device=DEVICE, generator=g) * 10 ** torch.empty(
-        M, 1, device=DEVICE).uniform_(-3, 3, generator=g)
-    x[3, 5] = float("nan")
-    x[3, 6] = -float("nan")  # sign bit set: the e4m3 NaN is 0x7F all the same
-    x[4, 9] = float("-inf")
-    x[8, K - 1] = float("inf")
-    x[6] = 0.0
-    x[7, : K // 2] = -0.0
-    x[10] *= 1e-32
-    return x.to(torch.bfloat16)
 
 
 # --tiles: other tiles for some kernels, (mode, fused, quantize_config kind, TileConfig args)
@@ -182,7 +169,8 @@ def main():
         print(f"{name}: x {M} x {hidden} bf16, {experts} groups; copy: eager {copy_eager:.1f} us "
               f"({copy_gbs[0]:.0f} GB/s), graph {copy_graph:.1f} us ({copy_gbs[1]:.0f} GB/s)",
               flush=True)
-        xs = special_input(4096 + 160, hidden)
+        xs = special_values(4096 + 160, hidden, torch.Generator().manual_seed(5))
+        xs = xs.to(DEVICE, torch.bfloat16)
         offs_s = offs.clamp(max=xs.shape[0] - 16)  # same groups, cut to the small input
         for recipe, rowwise, columnwise in MODES:
             mode = "row+col" if columnwise else "row"

@@ -41,6 +41,7 @@ from common import MODELS  # noqa: E402
 from compiled_moe.kernels import (activations, grouped_mm, moe_mlp, quantize,  # noqa: E402
                                   routing, scaled_grouped_mm)
 from compiled_moe.ops import fp8 as fp8_ops  # noqa: E402
+from compiled_moe.reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 NUM_SMS = 132  # H100 SXM and H200
@@ -152,9 +153,10 @@ def _launch_all(model) -> None:
     grouped_mm.grouped_mm(x, w1.transpose(1, 2), offs, None, h)  # FC1 forward
     grouped_mm.grouped_mm(h, w1, offs, None, torch.empty_like(x))  # FC1 dgrad
     grouped_mm.grouped_mm_wgrad(h, x, offs, torch.empty_like(w1), False, None)  # FC1 wgrad
-    moe_mlp.mlp_fc1(x, None, 1, w1, offs, None, None, h, a, "swiglu", "stacked", 1.702, 7.0)
-    activations.activation_forward(h, a, "swiglu", "stacked", 1.702, 7.0)
-    activations.activation_backward(a, h, torch.empty_like(h), "swiglu", "stacked", 1.702, 7.0)
+    constants = (GPT_OSS_ALPHA, GPT_OSS_LIMIT)
+    moe_mlp.mlp_fc1(x, None, 1, w1, offs, None, None, h, a, "swiglu", "stacked", *constants)
+    activations.activation_forward(h, a, "swiglu", "stacked", *constants)
+    activations.activation_backward(a, h, torch.empty_like(h), "swiglu", "stacked", *constants)
     source = torch.empty(M, device=cuda, dtype=torch.int32)
     routing.gather_rows(x, source, model.top_k, torch.empty_like(x))
     routing.combine_rows(x, torch.empty(model.tokens, model.top_k, device=cuda,

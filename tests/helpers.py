@@ -150,3 +150,18 @@ def assert_one_dynamic_compile(step, arg_sets, grad_inputs, rtol=1e-4, atol=1e-4
         for g, w in zip(torch.autograd.grad(got, wrt), torch.autograd.grad(want, wrt)):
             torch.testing.assert_close(g, w, rtol=rtol, atol=atol)
     assert counter.frame_count == 1
+
+
+def special_values(M, K, gen):
+    """(M, K) fp32 values over six decades with NaN, +-Inf, a zero row, -0 and a row whose
+    blocks' scales are under 2^-90 (where the quantizers' fma division hands over to a plain
+    division): the quantizer tests' and benchmarks/bench_quantize.py's special input."""
+    x = torch.randn(M, K, generator=gen) * torch.logspace(-3, 3, M)[:, None]
+    x[3, 5] = float("nan")
+    x[3, 6] = -float("nan")  # sign bit set: the e4m3 NaN is 0x7F all the same
+    x[4, 9] = float("-inf")
+    x[8, K - 1] = float("inf")
+    x[6] = 0.0
+    x[7, : K // 2] = -0.0
+    x[10] *= 1e-32
+    return x

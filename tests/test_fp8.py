@@ -11,7 +11,7 @@ import torch
 
 import compiled_moe as cm
 from compiled_moe import reference as R
-from helpers import loop_bounds, random_offsets
+from helpers import loop_bounds, random_offsets, special_values
 
 RECIPES = R.FP8_RECIPES
 
@@ -230,20 +230,6 @@ def _interpreter_fma_rounds_once() -> bool:
     return out.item() == 2.0 ** -24  # a product then a sum rounds it to 0
 
 
-def _special_values(M, K, gen):
-    """Values over six decades with NaN, +-Inf, zero rows, -0 and a row whose blocks' scales
-    are under 2^-90 (where the fma division hands over to a plain division)."""
-    x = torch.randn(M, K, generator=gen) * torch.logspace(-3, 3, M)[:, None]
-    x[3, 5] = float("nan")
-    x[3, 6] = -float("nan")  # sign bit set: the e4m3 NaN is 0x7F all the same
-    x[4, 9] = float("-inf")
-    x[8, K - 1] = float("inf")
-    x[6] = 0.0
-    x[7, : K // 2] = -0.0
-    x[10] *= 1e-32
-    return x
-
-
 def _assert_bitwise(got, want):
     """Data compared as bytes (so -0 and +0 differ), scales as bits."""
     for g, w in zip(got, want):
@@ -283,7 +269,7 @@ def test_kernel_quantize_bitwise_special_values_interpreter(recipe, fma_division
     monkeypatch.setattr(quantize, "quantize_config", one_step)
     gen = torch.Generator().manual_seed(12)
     M, K = 160, 256
-    x = _special_values(M, K, gen)
+    x = special_values(M, K, gen)
     # ends 32 and 80 are multiples of 16 (16-byte column stores), 101 and 144 are not; an
     # empty group; 16 rows past the last group
     offs = torch.tensor([32, 32, 80, 101, 144], dtype=torch.int32)
@@ -330,7 +316,7 @@ def test_quantize_bitwise_special_values_gpu(recipe, fused, monkeypatch):
     monkeypatch.setattr(fp8_ops, "FUSE_ROW_AND_COLUMN", ("fp8_blockwise", "mxfp8") if fused else ())
     gen = torch.Generator().manual_seed(13)
     M, K = 4096 + 160, 2880
-    x = _special_values(M, K, gen).to(torch.bfloat16).cuda()
+    x = special_values(M, K, gen).to(torch.bfloat16).cuda()
     x[11] = (torch.randn(K, generator=gen) * 1e-30).to(torch.bfloat16)  # divides
     counts = torch.randint(0, 9, (31,), generator=gen) * 16  # aligned groups, then not
     counts[20:] += torch.randint(0, 16, (11,), generator=gen)
