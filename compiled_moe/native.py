@@ -22,6 +22,9 @@ import torch
 # A wheel ships the sources inside the package; a source checkout has them beside it.
 _CSRC_DIRS = (Path(__file__).resolve().parent / "csrc", Path(__file__).resolve().parent.parent / "csrc")
 _OPTIONS = dict(std="c++17")
+# Sources that use Hopper's arch-specific instructions (wgmma, setmaxnreg): compiled for sm_90a,
+# which runs only on sm_90 parts.
+_ARCH_SPECIFIC = {"fp8_grouped_mm"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,12 +90,18 @@ def device_arch(device_index: int) -> str:
     return f"sm_{major}{minor}"
 
 
+def source_arch(path: Path, arch: str) -> str:
+    """The target a source compiles for on a device of ``arch``: sm_90a for the Hopper-only ones."""
+    return f"{arch}a" if path.stem in _ARCH_SPECIFIC else arch
+
+
 @functools.lru_cache(maxsize=None)
 def _module(name: str, device_index: int):
     from cuda.core import Device, ObjectCode
 
     Device(device_index).set_current()
-    cubin = compile_source(csrc_dir() / f"{name}.cu", device_arch(device_index))
+    path = csrc_dir() / f"{name}.cu"
+    cubin = compile_source(path, source_arch(path, device_arch(device_index)))
     return ObjectCode.from_cubin(cubin)
 
 
@@ -142,3 +151,70 @@ def launch(function, grid: int, block: int, shared_bytes: int, *args) -> None:
     stream = _stream(_current_raw_stream(torch.cuda.current_device()))
     params = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
     cuda_launch(stream, _launch_config(grid, block, shared_bytes), function, *params)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels with TMA descriptors: cuda.core's launch takes no raw 128-byte struct, so these go
+# through the driver API directly (cuda.bindings, stable across cuda.core releases).
+
+
+class TensorMap(ctypes.Structure):
+    """A CUtensorMap passed by value (the kernel declares it ``const __grid_constant__``)."""
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+@functools.lru_cache(maxsize=1024)
+def tensor_map(address: int, dims: tuple, byte_strides: tuple, box: tuple) -> TensorMap:
+    """A tiled TMA descriptor of a uint8 (e4m3) tensor with the 128-byte swizzle.
+
+    dims, innermost first; byte_strides of dims[1:]; box in elements. Out-of-bounds elements
+    read as zero. Cached: encoding costs a driver call, and a step reuses the same buffers.
+    """
+    from cuda.bindings import driver
+
+    u32, u64 = driver.cuuint32_t, driver.cuuint64_t
+    err, tmap = driver.cuTensorMapEncodeTiled(
+        driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, u32(len(dims)), address,
+        [u64(d) for d in dims], [u64(s) for s in byte_strides], [u32(b) for b in box],
+        [u32(1)] * len(dims),
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for dims {dims}, "
+                           f"strides {byte_strides}, box {box}")
+    out = TensorMap()
+    ctypes.memmove(ctypes.addressof(out), tmap.getPtr(), ctypes.sizeof(out))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _driver_function(function, device_index: int, shared_bytes: int):
+    """The kernel as a driver handle, allowed ``shared_bytes`` of dynamic shared memory."""
+    from cuda.bindings import driver
+
+    handle = int(function.handle)
+    err, = driver.cuKernelSetAttribute(
+        driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes,
+        driver.CUkernel(handle), driver.CUdevice(device_index))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuKernelSetAttribute(max dynamic shared memory = {shared_bytes}) "
+                           f"failed: {err}")
+    return driver.CUfunction(handle)
+
+
+def launch_driver(function, grid: int, block: int, shared_bytes: int, *args) -> None:
+    """Launch on torch's current stream; args are ctypes values (TensorMap, c_int32, c_uint64...)
+    or tensors (passed as pointers)."""
+    from cuda.bindings import driver
+
+    device_index = torch.cuda.current_device()
+    values = [ctypes.c_uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else a for a in args]
+    pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    err, = driver.cuLaunchKernel(
+        _driver_function(function, device_index, shared_bytes), grid, 1, 1, block, 1, 1,
+        shared_bytes, driver.CUstream(_current_raw_stream(device_index)),
+        ctypes.addressof(pointers), 0)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuLaunchKernel failed: {err}")

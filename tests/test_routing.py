@@ -299,9 +299,10 @@ def test_csrc_compiles_with_nvrtc(tmp_path, monkeypatch):
     sources = native.source_files()
     assert sources, "no csrc/*.cu found"
     for path in sources:
-        cubin = native.compile_source(path, "sm_90")
+        arch = native.source_arch(path, "sm_90")
+        cubin = native.compile_source(path, arch)
         assert cubin[:4] == b"\x7fELF", path.name
-        assert native.compile_source(path, "sm_90") == cubin
+        assert native.compile_source(path, arch) == cubin
     assert len(list((tmp_path / "nvrtc").glob("*.cubin"))) == len(sources)
 
 

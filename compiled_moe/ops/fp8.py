@@ -195,6 +195,9 @@ def _scaled_grouped_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, o
     _check_scaled_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype)
     if not use_kernel(a):
         return reference.scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype)
+    if _sm90().supported(a, b, recipe):
+        return torch.ops.compiled_moe.fp8_blockwise_grouped_mm_sm90(a, b, a_scale, b_scale, offs,
+                                                                    out_dtype)
     out = a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or torch.bfloat16)
     _kernels()[1].scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe, out)
     return out
@@ -203,6 +206,35 @@ def _scaled_grouped_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, o
 @_scaled_grouped_mm.register_fake
 def _(a, b, a_scale, b_scale, offs, recipe, out_dtype=None):
     _check_scaled_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype)
+    return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or torch.bfloat16)
+
+
+def _sm90():
+    from compiled_moe.kernels import scaled_grouped_mm_sm90
+    return scaled_grouped_mm_sm90
+
+
+# The CUDA kernel of csrc/fp8_grouped_mm.cu, which scaled_grouped_mm calls for fp8_blockwise on
+# Hopper. An opaque custom op, because inductor cannot trace a driver launch; the checks are
+# scaled_grouped_mm's.
+@torch.library.custom_op("compiled_moe::fp8_blockwise_grouped_mm_sm90", mutates_args=(),
+                         device_types="cuda")
+def _fp8_blockwise_grouped_mm_sm90(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor,
+                                   offs: Tensor, out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    (m, k), n = a.shape, b.shape[2]
+    out = a.new_empty((m, n), dtype=out_dtype or torch.bfloat16)
+    if m == 0 or n == 0:
+        return out
+    sm90 = _sm90()
+    if k > 0 and sm90.aligned(a, b):
+        sm90.scaled_grouped_mm(a, b, a_scale, b_scale, offs, out)
+    else:  # K = 0 or an unaligned view: the Triton kernel handles both
+        _kernels()[1].scaled_grouped_mm(a, b, a_scale, b_scale, offs, "fp8_blockwise", out)
+    return out
+
+
+@_fp8_blockwise_grouped_mm_sm90.register_fake
+def _(a, b, a_scale, b_scale, offs, out_dtype=None):
     return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or torch.bfloat16)
 
 

@@ -1,0 +1,76 @@
+"""Launcher of the Hopper FP8 blockwise grouped GEMM in ``csrc/fp8_grouped_mm.cu`` (wgmma + TMA).
+
+Used for ``scaled_grouped_mm`` with recipe fp8_blockwise on sm_90 when the
+operands meet TMA's alignment rules (``supported``); everything else runs the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from compiled_moe import native
+from compiled_moe.kernels.grouped_mm import _num_sms
+
+# Stages of the TMA ring (32 KB each: a 128x128 tile of a and of b). 6 fill 192 KB of the
+# 227 KB an H200 block may use and leave room for the tile list of up to ~2000 groups.
+NUM_STAGES = 6
+_THREADS = 384
+_ALIGN = 16  # TMA: base addresses and strides in bytes
+MAX_GROUPS = 2048
+_OUT_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the tile list lives in shared memory beside the ring
+
+
+def enabled() -> bool:
+    """COMPILED_MOE_FP8_GEMM=triton turns the CUDA kernel off (for comparisons)."""
+    return os.environ.get("COMPILED_MOE_FP8_GEMM", "cuda") != "triton"
+
+
+@functools.lru_cache(maxsize=None)
+def _device_ok(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0) and native.available()
+
+
+def supported(a, b, recipe: str) -> bool:
+    """Static conditions (known while tracing): the recipe, device, group count and strides.
+    Addresses are checked at launch, where the Triton kernel takes over if one is unaligned."""
+    if recipe != "fp8_blockwise" or not enabled():
+        return False
+    if a.device.type != "cuda" or not _device_ok(a.device.index or 0):
+        return False
+    k = a.shape[1]
+    return (k % _ALIGN == 0 and b.shape[0] <= MAX_GROUPS and a.stride(1) == 1 and a.stride(0) % _ALIGN == 0
+            and b.stride(1) == 1 and b.stride(2) % _ALIGN == 0 and b.stride(0) % _ALIGN == 0)
+
+
+def _shared_bytes(num_groups: int) -> int:
+    # ring + 1024 alignment slack + 2 x 8 mbarriers + 32 scan ints + 3 ints per group
+    return NUM_STAGES * 2 * 128 * 128 + 1024 + 2 * 8 * 8 + 4 * (32 + 3 * num_groups)
+
+
+def aligned(*tensors) -> bool:
+    return all(t.data_ptr() % _ALIGN == 0 for t in tensors)
+
+
+def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out) -> None:
+    """out (M, N) = a (M, K) @ b (G, K, N), e4m3 K-major operands with blockwise scales.
+    The caller checked ``supported``, ``aligned`` and M, N, K > 0."""
+    M, K = a.shape
+    G, _, N = b.shape
+    dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    i32, i64 = native.int32, native.int64
+    a_map = native.tensor_map(a.data_ptr(), (K, M), (a.stride(0),), (128, 128))
+    b_map = native.tensor_map(b.data_ptr(), (K, N, G), (b.stride(2), b.stride(0)), (128, 128, 1))
+    offs = offs.contiguous()
+    grid = _num_sms(dev)
+    native.launch_driver(
+        native.kernel("fp8_grouped_mm", "fp8_blockwise_grouped_mm", dev),
+        grid, _THREADS, _shared_bytes(G),
+        a_map, b_map,
+        a_scale, i64(a_scale.stride(0)), i32(a_scale.stride(1)),
+        b_scale, i64(b_scale.stride(0)), i32(b_scale.stride(1)), i32(b_scale.stride(2)),
+        out, i32(_OUT_KINDS[out.dtype]), i64(out.stride(0)),
+        offs, i32(M), i32(N), i32(K), i32(G), i32(NUM_STAGES),
+    )

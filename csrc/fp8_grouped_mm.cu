@@ -1,0 +1,309 @@
+// FP8 grouped GEMM with 1x128 x 128x128 block scales (the DeepSeek-V3 recipe) for Hopper, sm_90a.
+//
+//   out[r, :] = sum over 128-deep k blocks kb of (a[r, kb] . b[g, :, kb]) * a_scale[r, kb] * b_scale[g, n/128, kb]
+//
+// for the rows r of group g (offs: cumulative group ends); rows past the last group get 0.
+// a (M, K) and b (G, N, K) are e4m3 and K-major (the layout Hopper's FP8 tensor cores read),
+// out (M, N) bf16, fp16 or fp32 (out_kind 0, 1, 2). compiled_moe/reference.py: scaled_grouped_mm is the oracle.
+//
+// Why CUDA and not Triton: every 128-deep block's product has to leave the tensor cores and be
+// scaled in fp32 before the next one is added. Triton 3.6 waits for each wgmma to finish before
+// it issues the next load and scale (one `wgmma.wait_group 0` per block in its PTX), so its
+// kernel ran at 600-720 TFLOP/s. Here a producer warp keeps a ring of TMA loads in flight and
+// two consumer warpgroups (64 rows each) alternate on the tensor cores: while one scales its
+// block's product, the other's wgmma runs.
+//
+// Block: 384 threads. Warpgroup 0 is the producer (one thread issues TMA), warpgroups 1 and 2
+// compute a 128 x 128 output tile. Persistent: one block per SM walks the tiles of all groups;
+// the tile list is derived in each block from offs (no host loop, no host sync). A tile's 128
+// rows start at a row of its group; rows of the next group that the last tile loads are
+// computed and not stored.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// The driver's CUtensorMap: 128 opaque bytes, 64-byte aligned, passed by value.
+struct __align__(64) TensorMap { u64 opaque[16]; };
+
+constexpr int BLOCK_M = 128, BLOCK_N = 128, BLOCK_K = 128;
+constexpr int TILE_BYTES = BLOCK_M * BLOCK_K;  // one e4m3 operand tile, 16 KB
+constexpr int STAGE_BYTES = 2 * TILE_BYTES;
+constexpr int MAX_STAGES = 8;
+constexpr int THREADS = 384;
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+  u32 done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+__device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, u64* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+      ::"r"(smem_addr(dst)), "l"((u64)map), "r"(smem_addr(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load_3d(void* dst, const TensorMap* map, u64* bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];"
+      ::"r"(smem_addr(dst)), "l"((u64)map), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+// wgmma shared-memory descriptor of a K-major tile stored as 128-byte rows with the 128-byte
+// swizzle (what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B): 8-row atoms 1024 bytes apart.
+__device__ __forceinline__ u64 smem_desc(const void* p) {
+  const u64 addr = smem_addr(p);
+  return ((addr & 0x3FFFF) >> 4) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+// d (64 x 128 fp32, this warpgroup's fragment) = (accumulate ? d : 0) + a (64 x 32) . b (128 x 32)^T
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float* d, u64 desc_a, u64 desc_b, int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// Keeps the compiler from moving reads of wgmma results above the wait (the asm above does not
+// tell it when the asynchronous write lands).
+__device__ __forceinline__ void fence_registers(float* d) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Output element types (out_kind): 0 bf16, 1 fp16, 2 fp32; rounding to nearest even.
+__device__ __forceinline__ u32 pack_half2(int out_kind, float lo, float hi) {
+  u32 r;
+  if (out_kind == 0) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ void store_one(void* out, int out_kind, long long i, float v) {
+  if (out_kind == 2) ((float*)out)[i] = v;
+  else ((unsigned short*)out)[i] = (unsigned short)(pack_half2(out_kind, v, 0.f) & 0xffff);
+}
+
+// out[row_offset + c] and [.. + c + 1] (c even), masked at N.
+__device__ __forceinline__ void store_pair(void* out, int out_kind, long long row_offset, int c, int N,
+                                           bool paired, float lo, float hi) {
+  if (paired && c + 1 < N) {
+    if (out_kind == 2) *(float2*)((float*)out + row_offset + c) = make_float2(lo, hi);
+    else *(u32*)((unsigned short*)out + row_offset + c) = pack_half2(out_kind, lo, hi);
+    return;
+  }
+  if (c < N) store_one(out, out_kind, row_offset + c, lo);
+  if (c + 1 < N) store_one(out, out_kind, row_offset + c + 1, hi);
+}
+
+// The tile list of all groups, in shared memory: tile_end[g] is the inclusive prefix over groups
+// of (row tiles x column tiles); row_start / row_end are the group's rows clamped to [0, M).
+struct Schedule {
+  int* tile_end;
+  int* row_start;
+  int* row_end;
+};
+
+__device__ void build_schedule(const int* __restrict__ offs, int G, int M, int num_n, Schedule s, int* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = THREADS / 32;
+  int carry = 0;
+  for (int base = 0; base < G; base += THREADS) {
+    const int g = base + threadIdx.x;
+    int count = 0;
+    if (g < G) {
+      const int end = min(max(offs[g], 0), M);
+      const int start = g == 0 ? 0 : min(max(offs[g - 1], 0), M);
+      s.row_start[g] = start;
+      s.row_end[g] = max(end, start);
+      count = ((max(end - start, 0) + BLOCK_M - 1) / BLOCK_M) * num_n;
+    }
+    int inc = count;
+    for (int d = 1; d < 32; d <<= 1) {
+      const int o = __shfl_up_sync(0xffffffffu, inc, d);
+      if (lane >= d) inc += o;
+    }
+    if (lane == 31) scratch[warp] = inc;
+    __syncthreads();
+    int before = carry;
+    for (int w = 0; w < warp; ++w) before += scratch[w];
+    if (g < G) s.tile_end[g] = before + inc;
+    int total = 0;
+    for (int w = 0; w < num_warps; ++w) total += scratch[w];
+    carry += total;
+    __syncthreads();
+  }
+}
+
+struct Tile {
+  int group, row0, row_end, col0;
+};
+
+__device__ __forceinline__ Tile locate(int t, const Schedule& s, int G, int num_n) {
+  int lo = 0, hi = G - 1;  // first group whose tile_end exceeds t
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (s.tile_end[mid] > t) hi = mid; else lo = mid + 1;
+  }
+  const int local = t - (lo == 0 ? 0 : s.tile_end[lo - 1]);
+  const int rows = s.row_end[lo] - s.row_start[lo];
+  const int m_tiles = (rows + BLOCK_M - 1) / BLOCK_M;
+  // Row tiles vary fastest: the blocks running at once share few weight column blocks.
+  Tile tile;
+  tile.group = lo;
+  tile.row0 = s.row_start[lo] + (local % m_tiles) * BLOCK_M;
+  tile.row_end = s.row_end[lo];
+  tile.col0 = (local / m_tiles) * BLOCK_N;
+  return tile;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_mm(
+    const __grid_constant__ TensorMap a_map,   // a (M, K) e4m3: dims {K, M}, box {128, 128}
+    const __grid_constant__ TensorMap b_map,   // b (G, N, K) e4m3: dims {K, N, G}, box {128, 128, 1}
+    const float* __restrict__ a_scale, long long a_scale_stride_m, int a_scale_stride_k,
+    const float* __restrict__ b_scale, long long b_scale_stride_g, int b_scale_stride_n, int b_scale_stride_k,
+    void* __restrict__ out, int out_kind, long long out_stride_m,  // (M, N), unit column stride
+    const int* __restrict__ offs, int M, int N, int K, int G, int num_stages) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // 1024-byte alignment of every tile: the 128-byte swizzle pattern repeats every 1024 bytes.
+  unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
+  u64* full = (u64*)(smem + num_stages * STAGE_BYTES);
+  u64* empty = full + MAX_STAGES;
+  int* scratch = (int*)(empty + MAX_STAGES);
+  Schedule sched{scratch + 32, scratch + 32 + G, scratch + 32 + 2 * G};
+
+  const int num_n = (N + BLOCK_N - 1) / BLOCK_N;
+  const int num_kb = (K + BLOCK_K - 1) / BLOCK_K;
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < num_stages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 8);  // lane 0 of each consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  build_schedule(offs, G, M, num_n, sched, scratch);  // ends with __syncthreads
+  const int num_tiles = sched.tile_end[G - 1];
+
+  if (warpgroup == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) {
+      asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&a_map) : "memory");
+      asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&b_map) : "memory");
+      int stage = 0;
+      u32 phase = 0;
+      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+        const Tile tile = locate(t, sched, G, num_n);
+        for (int kb = 0; kb < num_kb; ++kb) {
+          mbar_wait(&empty[stage], phase ^ 1);
+          unsigned char* dst = smem + stage * STAGE_BYTES;
+          mbar_expect_tx(&full[stage], STAGE_BYTES);
+          tma_load_2d(dst, &a_map, &full[stage], kb * BLOCK_K, tile.row0);
+          tma_load_3d(dst + TILE_BYTES, &b_map, &full[stage], kb * BLOCK_K, tile.col0, tile.group);
+          if (++stage == num_stages) { stage = 0; phase ^= 1; }
+        }
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int consumer = warpgroup - 1;  // rows consumer*64 .. +64 of the tile
+  const int warp_in_group = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31;
+  const int frag_row = consumer * 64 + warp_in_group * 16 + lane / 4;  // and frag_row + 8
+  const int frag_col = (lane % 4) * 2;                                  // + 8 j, and + 1
+  float acc[64], part[64];
+  // Two adjacent outputs in one store when every row starts at an even element.
+  const bool paired = (out_stride_m % 2) == 0;
+  int stage = 0;
+  u32 phase = 0;
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    const Tile tile = locate(t, sched, G, num_n);
+    const int r0 = tile.row0 + frag_row, r1 = r0 + 8;
+    const float* sa0 = a_scale + (long long)min(r0, M - 1) * a_scale_stride_m;
+    const float* sa1 = a_scale + (long long)min(r1, M - 1) * a_scale_stride_m;
+    const float* sb = b_scale + tile.group * b_scale_stride_g + (long long)(tile.col0 / BLOCK_N) * b_scale_stride_n;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    for (int kb = 0; kb < num_kb; ++kb) {
+      const float s_b = sb[kb * b_scale_stride_k];
+      const float s0 = sa0[kb * a_scale_stride_k] * s_b, s1 = sa1[kb * a_scale_stride_k] * s_b;
+      mbar_wait(&full[stage], phase);
+      const unsigned char* a_tile = smem + stage * STAGE_BYTES + consumer * (64 * BLOCK_K);
+      const unsigned char* b_tile = smem + stage * STAGE_BYTES + TILE_BYTES;
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < BLOCK_K / 32; ++k)
+        wgmma_m64n128k32_e4m3(part, smem_desc(a_tile + 32 * k), smem_desc(b_tile + 32 * k), k > 0);
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_registers(part);
+      if (lane == 0) mbar_arrive(&empty[stage]);
+      if (++stage == num_stages) { stage = 0; phase ^= 1; }
+      // The DeepSeek-V3 promotion: each 128-deep product is scaled and added in fp32.
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        acc[4 * j + 0] = fmaf(part[4 * j + 0], s0, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(part[4 * j + 1], s0, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(part[4 * j + 2], s1, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(part[4 * j + 3], s1, acc[4 * j + 3]);
+      }
+    }
+    // Fragment: acc[4j + 0..1] are (r0, c .. c+1), acc[4j + 2..3] are (r1, ...), c = col0 + 8j + frag_col.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = half ? r1 : r0;
+      if (r >= tile.row_end) continue;
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        store_pair(out, out_kind, (long long)r * out_stride_m, tile.col0 + 8 * j + frag_col, N,
+                   paired, acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+    }
+  }
+
+  // Rows past the last group are defined as 0.
+  const int rows_end = sched.row_end[G - 1];
+  const long long tail = (long long)(M - rows_end) * N;
+  for (long long i = (long long)blockIdx.x * 256 + (threadIdx.x - 128); i < tail; i += (long long)gridDim.x * 256) {
+    const long long r = rows_end + i / N, c = i % N;
+    store_one(out, out_kind, r * out_stride_m + c, 0.f);
+  }
+}
