@@ -190,18 +190,24 @@ def tensor_map(address: int, dims: tuple, byte_strides: tuple, box: tuple) -> Te
 
 
 @functools.lru_cache(maxsize=None)
-def _driver_function(function, device_index: int, shared_bytes: int):
-    """The kernel as a driver handle, allowed ``shared_bytes`` of dynamic shared memory."""
+def _driver_function(function, device_index: int):
+    """The kernel as a driver handle, allowed all the dynamic shared memory a block can have."""
     from cuda.bindings import driver
 
-    handle = int(function.handle)
-    err, = driver.cuKernelSetAttribute(
-        driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes,
-        driver.CUkernel(handle), driver.CUdevice(device_index))
+    kernel = driver.CUkernel(int(function.handle))
+    attr = driver.CUfunction_attribute
+    err, optin = driver.cuDeviceGetAttribute(
+        driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+        driver.CUdevice(device_index))
+    if err == driver.CUresult.CUDA_SUCCESS:
+        err, static = driver.cuKernelGetAttribute(attr.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, kernel,
+                                                  driver.CUdevice(device_index))
+    if err == driver.CUresult.CUDA_SUCCESS:
+        err, = driver.cuKernelSetAttribute(attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                           optin - static, kernel, driver.CUdevice(device_index))
     if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuKernelSetAttribute(max dynamic shared memory = {shared_bytes}) "
-                           f"failed: {err}")
-    return driver.CUfunction(handle)
+        raise RuntimeError(f"raising the kernel's dynamic shared memory limit failed: {err}")
+    return driver.CUfunction(int(function.handle))
 
 
 def launch_driver(function, grid: int, block: int, shared_bytes: int, *args) -> None:
@@ -213,7 +219,7 @@ def launch_driver(function, grid: int, block: int, shared_bytes: int, *args) -> 
     values = [ctypes.c_uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else a for a in args]
     pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
     err, = driver.cuLaunchKernel(
-        _driver_function(function, device_index, shared_bytes), grid, 1, 1, block, 1, 1,
+        _driver_function(function, device_index), grid, 1, 1, block, 1, 1,
         shared_bytes, driver.CUstream(_current_raw_stream(device_index)),
         ctypes.addressof(pointers), 0)
     if err != driver.CUresult.CUDA_SUCCESS:

@@ -12,11 +12,9 @@ import os
 import torch
 
 from compiled_moe import native
+from compiled_moe.kernels.configs import fp8_blockwise_sm90_config, size_hint
 from compiled_moe.kernels.grouped_mm import _num_sms
 
-# Stages of the TMA ring (32 KB each: a 128x128 tile of a and of b). 6 fill 192 KB of the
-# 227 KB an H200 block may use and leave room for the tile list of up to ~2000 groups.
-NUM_STAGES = 6
 _THREADS = 384
 _ALIGN = 16  # TMA: base addresses and strides in bytes
 MAX_GROUPS = 2048
@@ -45,16 +43,16 @@ def supported(a, b, recipe: str) -> bool:
             and b.stride(1) == 1 and b.stride(2) % _ALIGN == 0 and b.stride(0) % _ALIGN == 0)
 
 
-def _shared_bytes(num_groups: int) -> int:
-    # ring + 1024 alignment slack + 2 x 8 mbarriers + 32 scan ints + 3 ints per group
-    return NUM_STAGES * 2 * 128 * 128 + 1024 + 2 * 8 * 8 + 4 * (32 + 3 * num_groups)
+def _shared_bytes(num_groups: int, num_stages: int) -> int:
+    # ring of 32 KB stages + 1024 alignment slack + 2 x 8 mbarriers + 32 scan ints + 3 ints per group
+    return num_stages * 2 * 128 * 128 + 1024 + 2 * 8 * 8 + 4 * (32 + 3 * num_groups)
 
 
 def aligned(*tensors) -> bool:
     return all(t.data_ptr() % _ALIGN == 0 for t in tensors)
 
 
-def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out) -> None:
+def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, num_stages=None) -> None:
     """out (M, N) = a (M, K) @ b (G, K, N), e4m3 K-major operands with blockwise scales.
     The caller checked ``supported``, ``aligned`` and M, N, K > 0."""
     M, K = a.shape
@@ -62,15 +60,17 @@ def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out) -> None:
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
     i32, i64 = native.int32, native.int64
     a_map = native.tensor_map(a.data_ptr(), (K, M), (a.stride(0),), (128, 128))
+    cfg = fp8_blockwise_sm90_config(size_hint(M), N, K, G, _num_sms(dev))
+    num_stages = num_stages or cfg.num_stages
     b_map = native.tensor_map(b.data_ptr(), (K, N, G), (b.stride(2), b.stride(0)), (128, 128, 1))
     offs = offs.contiguous()
     grid = _num_sms(dev)
     native.launch_driver(
         native.kernel("fp8_grouped_mm", "fp8_blockwise_grouped_mm", dev),
-        grid, _THREADS, _shared_bytes(G),
+        grid, _THREADS, _shared_bytes(G, num_stages),
         a_map, b_map,
         a_scale, i64(a_scale.stride(0)), i32(a_scale.stride(1)),
         b_scale, i64(b_scale.stride(0)), i32(b_scale.stride(1)), i32(b_scale.stride(2)),
         out, i32(_OUT_KINDS[out.dtype]), i64(out.stride(0)),
-        offs, i32(M), i32(N), i32(K), i32(G), i32(NUM_STAGES),
+        offs, i32(M), i32(N), i32(K), i32(G), i32(num_stages),
     )
