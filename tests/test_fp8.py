@@ -634,3 +634,15 @@ def test_e8m0_exponent_rule():
     assert byte[:4] == [127, 128, 126, 127 - 8]
     assert byte[4] == 0 and byte[5] == R.E8M0_NAN
     assert 448 * 2.0 ** (byte[6] - 127) >= 3.0e38 > 448 * 2.0 ** (byte[6] - 128)
+
+
+def test_fp8_cuda_kernel_limits():
+    """The CUDA FP8 kernel's shared memory at the most groups it takes fits a Hopper block
+    (227 KB, less the kernel's 1 KB of static shared memory), and CPU tensors never reach it."""
+    from compiled_moe.kernels import configs
+    from compiled_moe.kernels import scaled_grouped_mm_sm90 as sm90
+    cfg = configs.fp8_blockwise_sm90_config(8192, 4096, 7168, sm90.MAX_GROUPS, 132)
+    assert sm90._shared_bytes(sm90.MAX_GROUPS, cfg.num_stages) + 1024 <= 227 * 1024
+    a = torch.zeros(256, 512, dtype=R.FP8_DTYPE)
+    b = torch.zeros(4, 256, 512, dtype=R.FP8_DTYPE).mT
+    assert not sm90.supported(a, b, "fp8_blockwise")

@@ -100,6 +100,75 @@ def test_scaled_gemms_match_reference(recipe, shape):
                 assert (got.double() - exact).norm() / exact.norm() < 0.06, name
 
 
+@pytest.mark.parametrize("shape", [
+    (4096, 2048, 1536, 32, 16, 32),  # routing padding, rows past the last group
+    (4096, 2048, 1536, 32, 1, 37),   # groups start anywhere: tiles load the next group's rows
+    (1000, 2880, 2880, 6, 1, 5),     # K = 22.5 x 128: a half k step
+    (517, 784, 200, 5, 1, 11),       # N not a multiple of the 128-column tile
+    (3, 256, 128, 4, 1, 0),          # fewer rows than one tile, empty groups
+    (2048, 768, 2048, 128, 1, 3),    # many groups, most of one tile or less
+])
+def test_fp8_blockwise_cuda_kernel_matches_reference_and_triton(shape, monkeypatch):
+    """The CUDA kernel of csrc/fp8_grouped_mm.cu (the fp8_blockwise path on Hopper) against
+    the reference and the Triton kernel, every output dtype, with no host sync."""
+    from compiled_moe.kernels import scaled_grouped_mm_sm90 as sm90
+    M, K, N, G, multiple, tail = shape
+    torch.manual_seed(M + K)
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device=DEV, dtype=torch.bfloat16) / K ** 0.5
+    offs = skewed_offsets(M, G, seed=M, tail=tail, multiple=multiple)
+    xq = cm.grouped_quantize(x, offs, "fp8_blockwise")
+    wq = cm.grouped_quantize(w, None, "fp8_blockwise")
+    args = (xq[0], wq[0].mT, xq[1], wq[1], offs)
+    assert sm90.supported(xq[0], wq[0].mT, "fp8_blockwise")
+    want = R.scaled_grouped_mm(*args, "fp8_blockwise", torch.float32)
+    for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        op = lambda: torch.ops.compiled_moe.scaled_grouped_mm(*args, "fp8_blockwise", out_dtype)  # noqa: E731
+        op()
+        poison_allocator(4 * M * N)
+        with no_sync():
+            got = op()
+        monkeypatch.setenv("COMPILED_MOE_FP8_GEMM", "triton")
+        triton_out = op()
+        monkeypatch.delenv("COMPILED_MOE_FP8_GEMM")
+        assert got.dtype == out_dtype and not torch.isnan(got.float()).any()
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3 * scale, msg=str(out_dtype))
+        # Same products and the same fp32 promotion per k step: only the order of the tensor
+        # cores' internal sums can differ.
+        torch.testing.assert_close(got, triton_out, rtol=1e-2, atol=1e-3 * scale, msg=str(out_dtype))
+        assert (got[offs[-1]:] == 0).all()
+
+
+def test_fp8_blockwise_cuda_kernel_unaligned_view_falls_back():
+    """An operand whose address TMA cannot take runs the Triton kernel, with the same result."""
+    M, K, N, G = 512, 1024, 256, 4
+    torch.manual_seed(9)
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device=DEV, dtype=torch.bfloat16) / K ** 0.5
+    offs = skewed_offsets(M, G, seed=2, multiple=16)
+    xq = cm.grouped_quantize(x, offs, "fp8_blockwise")
+    wq = cm.grouped_quantize(w, None, "fp8_blockwise")
+    shifted = torch.empty(M * K + 8, device=DEV, dtype=torch.float8_e4m3fn)[8:].view(M, K)
+    shifted.copy_(xq[0])
+    assert shifted.data_ptr() % 16 != 0
+    args = (xq[1], wq[1], offs, "fp8_blockwise")
+    got = torch.ops.compiled_moe.scaled_grouped_mm(shifted, wq[0].mT, *args)
+    want = torch.ops.compiled_moe.scaled_grouped_mm(xq[0], wq[0].mT, *args)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-3 * want.abs().max().item())
+
+
+def test_fp8_blockwise_cuda_op_opcheck():
+    M, K, N, G = 256, 512, 256, 4
+    offs = skewed_offsets(M, G, seed=3)
+    xq = cm.grouped_quantize(torch.randn(M, K, device=DEV, dtype=torch.bfloat16), offs,
+                             "fp8_blockwise")
+    wq = cm.grouped_quantize(torch.randn(G, N, K, device=DEV, dtype=torch.bfloat16), None,
+                             "fp8_blockwise")
+    torch.library.opcheck(torch.ops.compiled_moe.fp8_blockwise_grouped_mm_sm90,
+                          (xq[0], wq[0].mT, xq[1], wq[1], offs, torch.bfloat16))
+
+
 def test_fp8_grouped_mm_cuda_graph_replay_with_new_offsets():
     M, K, N, G = 2048, 1024, 512, 16
     torch.manual_seed(3)
