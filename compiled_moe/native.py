@@ -85,6 +85,19 @@ def compile_source(path: Path, arch: str) -> bytes:
     return cubin
 
 
+def ptxas_report(path: Path, arch: str) -> str:
+    """ptxas's verbose log for one source (registers, spills, and its performance warnings,
+    such as wgmma serialization); not cached."""
+    import io
+
+    from cuda.core import Program, ProgramOptions
+
+    options = ProgramOptions(name=path.name, arch=arch, ptxas_options=["-v"], **_OPTIONS)
+    log = io.StringIO()
+    Program(path.read_text(), "c++", options=options).compile("cubin", logs=log)
+    return log.getvalue()
+
+
 def device_arch(device_index: int) -> str:
     major, minor = torch.cuda.get_device_capability(device_index)
     return f"sm_{major}{minor}"
