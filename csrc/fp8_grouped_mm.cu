@@ -6,12 +6,12 @@
 // a (M, K) and b (G, N, K) are e4m3 and K-major (the layout Hopper's FP8 tensor cores read),
 // out (M, N) bf16, fp16 or fp32 (out_kind 0, 1, 2). compiled_moe/reference.py: scaled_grouped_mm is the oracle.
 //
-// Why CUDA and not Triton: every 128-deep block's product has to leave the tensor cores and be
-// scaled in fp32 before the next one is added. Triton 3.6 waits for each wgmma to finish before
-// it issues the next load and scale (one `wgmma.wait_group 0` per block in its PTX), so its
-// kernel ran at 600-720 TFLOP/s. Here a producer warp keeps a ring of TMA loads in flight and
-// two consumer warpgroups (64 rows each) alternate on the tensor cores: while one scales its
-// block's product, the other's wgmma runs.
+// Why CUDA and not Triton: every 128-deep step's product has to leave the tensor cores and be
+// scaled in fp32 before it is added. Triton 3.6 waits for each step's wgmma to finish before it
+// issues the next (one `wgmma.wait_group 0` per step in its PTX), so its kernel ran at 600-720
+// TFLOP/s. Here a producer warp keeps a ring of TMA loads in flight, and each of two consumer
+// warpgroups (64 rows each) keeps two buffers of partial products: step k + 1's wgmma runs
+// while step k's is scaled and added (1.20-1.53x the Triton kernel on the H200, RESULTS.md).
 //
 // Block: 384 threads. Warpgroup 0 is the producer (one thread issues TMA), warpgroups 1 and 2
 // compute a 128 x 128 output tile. Persistent: one block per SM walks the tiles of all groups;
@@ -44,8 +44,8 @@ __device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
                : "memory");
 }
 
-// Predicated rather than branched: ptxas serializes every wgmma (waits for each) when a
-// divergent branch sits inside a wgmma's flight.
+// Predicated rather than branched: it runs while a wgmma is in flight, and nvcc 13.0's ptxas
+// serializes every wgmma (waits for each) when a divergent branch sits inside a flight.
 __device__ __forceinline__ void mbar_arrive_if(u64* bar, bool pred) {
   asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %1, 0;\n @p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n"
                ::"r"(smem_addr(bar)), "r"((int)pred) : "memory");

@@ -641,7 +641,7 @@ def test_fp8_cuda_kernel_limits():
     (227 KB, less the kernel's 1 KB of static shared memory), and CPU tensors never reach it."""
     from compiled_moe.kernels import configs
     from compiled_moe.kernels import scaled_grouped_mm_sm90 as sm90
-    cfg = configs.fp8_blockwise_sm90_config(8192, 4096, 7168, sm90.MAX_GROUPS, 132)
+    cfg = configs.fp8_blockwise_sm90_config(8192, 4096, 7168, sm90.MAX_GROUPS)
     assert sm90._shared_bytes(sm90.MAX_GROUPS, cfg.num_stages) + 1024 <= 227 * 1024
     a = torch.zeros(256, 512, dtype=R.FP8_DTYPE)
     b = torch.zeros(4, 256, 512, dtype=R.FP8_DTYPE).mT

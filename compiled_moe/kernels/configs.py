@@ -274,7 +274,7 @@ def scaled_grouped_mm_wgrad_config(rows_per_group: int, k: int, n: int, recipe: 
 
 
 @functools.lru_cache(maxsize=None)
-def fp8_blockwise_sm90_config(m: int, n: int, k: int, groups: int, num_sms: int) -> TileConfig:
+def fp8_blockwise_sm90_config(m: int, n: int, k: int, groups: int) -> TileConfig:
     """Tile of the CUDA FP8 blockwise kernel (csrc/fp8_grouped_mm.cu): BLOCK_M and BLOCK_K are
     fixed at 128 (two consumer warpgroups of 64 rows, one scale block per k step); so is
     BLOCK_N (two 64 x 128 fp32 buffers of partial products and the accumulator fill a

@@ -17,8 +17,8 @@ from compiled_moe.kernels.grouped_mm import _num_sms
 
 _THREADS = 384
 _ALIGN = 16  # TMA: base addresses and strides in bytes
-MAX_GROUPS = 2048
-_OUT_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the tile list lives in shared memory beside the ring
+MAX_GROUPS = 2048  # the tile list lives in shared memory beside the ring
+_OUT_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 def enabled() -> bool:
@@ -39,7 +39,8 @@ def supported(a, b, recipe: str) -> bool:
     if a.device.type != "cuda" or not _device_ok(a.device.index or 0):
         return False
     k = a.shape[1]
-    return (k % _ALIGN == 0 and b.shape[0] <= MAX_GROUPS and a.stride(1) == 1 and a.stride(0) % _ALIGN == 0
+    return (k % _ALIGN == 0 and b.shape[0] <= MAX_GROUPS
+            and a.stride(1) == 1 and a.stride(0) % _ALIGN == 0
             and b.stride(1) == 1 and b.stride(2) % _ALIGN == 0 and b.stride(0) % _ALIGN == 0)
 
 
@@ -60,7 +61,7 @@ def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, num_stages=None) -> Non
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
     i32, i64 = native.int32, native.int64
     a_map = native.tensor_map(a.data_ptr(), (K, M), (a.stride(0),), (128, 128))
-    cfg = fp8_blockwise_sm90_config(size_hint(M), N, K, G, _num_sms(dev))
+    cfg = fp8_blockwise_sm90_config(size_hint(M), N, K, G)
     num_stages = num_stages or cfg.num_stages
     b_map = native.tensor_map(b.data_ptr(), (K, N, G), (b.stride(2), b.stride(0)), (128, 128, 1))
     offs = offs.contiguous()

@@ -42,6 +42,11 @@ def _kernels():
     return quantize, scaled_grouped_mm
 
 
+def _sm90():
+    from compiled_moe.kernels import scaled_grouped_mm_sm90  # the CUDA kernel's launcher
+    return scaled_grouped_mm_sm90
+
+
 def _cdiv(a, b):
     return (a + b - 1) // b
 
@@ -207,11 +212,6 @@ def _scaled_grouped_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, o
 def _(a, b, a_scale, b_scale, offs, recipe, out_dtype=None):
     _check_scaled_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype)
     return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or torch.bfloat16)
-
-
-def _sm90():
-    from compiled_moe.kernels import scaled_grouped_mm_sm90
-    return scaled_grouped_mm_sm90
 
 
 # The CUDA kernel of csrc/fp8_grouped_mm.cu, which scaled_grouped_mm calls for fp8_blockwise on
