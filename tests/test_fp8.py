@@ -625,6 +625,14 @@ def test_scaled_mm_bad_inputs():
         cm.scaled_grouped_mm_wgrad(xq[2], xq[2][:, :8], xq[3], xq[3], offs)
     with pytest.raises(ValueError, match="recipe"):
         cm.fp8_grouped_mm(torch.randn(M, K), torch.randn(G, K, N), offs, recipe="int8")
+    # The CUDA kernel's op checks its inputs too (its fake runs them on meta tensors here).
+    sm90 = torch.ops.compiled_moe.fp8_blockwise_grouped_mm_sm90
+    meta = {k: v.to("meta") for k, v in ok.items()}
+    assert sm90(*meta.values()).shape == (M, N)
+    with pytest.raises(ValueError, match="K must match"):
+        sm90(meta["a"][:, :128], *list(meta.values())[1:])
+    with pytest.raises(TypeError, match="a must have dtype"):
+        sm90(torch.empty(M, K, device="meta"), *list(meta.values())[1:])
 
 
 def test_e8m0_exponent_rule():

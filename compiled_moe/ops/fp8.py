@@ -215,12 +215,14 @@ def _(a, b, a_scale, b_scale, offs, recipe, out_dtype=None):
 
 
 # The CUDA kernel of csrc/fp8_grouped_mm.cu, which scaled_grouped_mm calls for fp8_blockwise on
-# Hopper. An opaque custom op, because inductor cannot trace a driver launch; the checks are
-# scaled_grouped_mm's.
+# Hopper. An opaque custom op, because inductor cannot trace a driver launch. It repeats
+# scaled_grouped_mm's checks (a few microseconds of host time): it is reachable as
+# torch.ops.compiled_moe.fp8_blockwise_grouped_mm_sm90, and a bad call must not reach the kernel.
 @torch.library.custom_op("compiled_moe::fp8_blockwise_grouped_mm_sm90", mutates_args=(),
                          device_types="cuda")
 def _fp8_blockwise_grouped_mm_sm90(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor,
                                    offs: Tensor, out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    _check_scaled_mm(a, b, a_scale, b_scale, offs, "fp8_blockwise", out_dtype)
     (m, k), n = a.shape, b.shape[2]
     out = a.new_empty((m, n), dtype=out_dtype or torch.bfloat16)
     if m == 0 or n == 0:
@@ -235,6 +237,7 @@ def _fp8_blockwise_grouped_mm_sm90(a: Tensor, b: Tensor, a_scale: Tensor, b_scal
 
 @_fp8_blockwise_grouped_mm_sm90.register_fake
 def _(a, b, a_scale, b_scale, offs, out_dtype=None):
+    _check_scaled_mm(a, b, a_scale, b_scale, offs, "fp8_blockwise", out_dtype)
     return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or torch.bfloat16)
 
 
