@@ -24,7 +24,7 @@ _CSRC_DIRS = (Path(__file__).resolve().parent / "csrc", Path(__file__).resolve()
 _OPTIONS = dict(std="c++17")
 # Sources that use Hopper's arch-specific instructions (wgmma, setmaxnreg): compiled for sm_90a,
 # which runs only on sm_90 parts.
-_ARCH_SPECIFIC = {"fp8_grouped_mm"}
+_ARCH_SPECIFIC = {"fp8_grouped_mm", "grouped_mm"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,17 +66,26 @@ def _nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
+def _program_options(path: Path, arch: str, **extra):
+    from cuda.core import ProgramOptions
+
+    # Sources include the shared headers of their own directory (csrc/*.cuh).
+    return ProgramOptions(name=path.name, arch=arch, include_path=[str(path.parent)], **_OPTIONS, **extra)
+
+
 def compile_source(path: Path, arch: str) -> bytes:
     """Compile one .cu file to a cubin for ``arch`` (e.g. "sm_90"), through the on-disk cache."""
-    from cuda.core import Program, ProgramOptions
+    from cuda.core import Program
 
     source = path.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, arch.encode(), repr(sorted(_OPTIONS.items())).encode(),
+    headers = [h.read_bytes() for h in sorted(path.parent.glob("*.cuh"))]
+    key = hashlib.sha256(b"\0".join([source, *headers, arch.encode(),
+                                     repr(sorted(_OPTIONS.items())).encode(),
                                      _nvrtc_version().encode()])).hexdigest()
     cached = cache_dir() / f"{path.stem}-{arch}-{key[:32]}.cubin"
     if cached.exists():
         return cached.read_bytes()
-    options = ProgramOptions(name=path.name, arch=arch, **_OPTIONS)
+    options = _program_options(path, arch)
     cubin = bytes(Program(source.decode(), "c++", options=options).compile("cubin").code)
     cached.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=cached.parent, delete=False) as f:  # atomic publish
@@ -90,9 +99,9 @@ def ptxas_report(path: Path, arch: str) -> str:
     such as wgmma serialization); not cached."""
     import io
 
-    from cuda.core import Program, ProgramOptions
+    from cuda.core import Program
 
-    options = ProgramOptions(name=path.name, arch=arch, ptxas_options=["-v"], **_OPTIONS)
+    options = _program_options(path, arch, ptxas_options=["-v"])
     log = io.StringIO()
     Program(path.read_text(), "c++", options=options).compile("cubin", logs=log)
     return log.getvalue()
@@ -177,17 +186,20 @@ class TensorMap(ctypes.Structure):
 
 
 @functools.lru_cache(maxsize=1024)
-def tensor_map(address: int, dims: tuple, byte_strides: tuple, box: tuple) -> TensorMap:
-    """A tiled TMA descriptor of a uint8 (e4m3) tensor with the 128-byte swizzle.
+def tensor_map(address: int, dims: tuple, byte_strides: tuple, box: tuple,
+               data_type: str = "UINT8") -> TensorMap:
+    """A tiled TMA descriptor with the 128-byte swizzle.
 
-    dims, innermost first; byte_strides of dims[1:]; box in elements. Out-of-bounds elements
-    read as zero. Cached: encoding costs a driver call, and a step reuses the same buffers.
+    dims, innermost first; byte_strides of dims[1:]; box in elements; data_type a
+    CU_TENSOR_MAP_DATA_TYPE_* name (loads can treat any tensor as bytes; reducing stores
+    need the element type). Out-of-bounds elements read as zero and are not written. Cached:
+    encoding costs a driver call, and a step reuses the same buffers.
     """
     from cuda.bindings import driver
 
     u32, u64 = driver.cuuint32_t, driver.cuuint64_t
     err, tmap = driver.cuTensorMapEncodeTiled(
-        driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, u32(len(dims)), address,
+        getattr(driver.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{data_type}"), u32(len(dims)), address,
         [u64(d) for d in dims], [u64(s) for s in byte_strides], [u32(b) for b in box],
         [u32(1)] * len(dims),
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,

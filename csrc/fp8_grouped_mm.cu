@@ -19,11 +19,7 @@
 // rows start at a row of its group; rows of the next group that the last tile loads are
 // computed and not stored.
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
-
-// The driver's CUtensorMap: 128 opaque bytes, 64-byte aligned, passed by value.
-struct __align__(64) TensorMap { u64 opaque[16]; };
+#include "sm90.cuh"
 
 // 128 x 128 output tiles, 128-deep k steps: one scale of a per row and one of b per step.
 constexpr int BLOCK_M = 128, BLOCK_N = 128, BLOCK_K = 128;
@@ -32,57 +28,6 @@ constexpr int STAGE_BYTES = 2 * TILE_BYTES;
 constexpr int FRAG = BLOCK_N / 2;  // fp32 accumulators per consumer thread
 constexpr int MAX_STAGES = 8;
 constexpr int THREADS = 384;
-
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
-}
-
-__device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
-               : "memory");
-}
-
-// Predicated rather than branched: it runs while a wgmma is in flight, and nvcc 13.0's ptxas
-// serializes every wgmma (waits for each) when a divergent branch sits inside a flight.
-__device__ __forceinline__ void mbar_arrive_if(u64* bar, bool pred) {
-  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %1, 0;\n @p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n"
-               ::"r"(smem_addr(bar)), "r"((int)pred) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT;\n}\n"
-      ::"r"(smem_addr(bar)), "r"(parity)
-      : "memory");
-}
-
-__device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, u64* bar, int c0, int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
-      ::"r"(smem_addr(dst)), "l"((u64)map), "r"(smem_addr(bar)), "r"(c0), "r"(c1)
-      : "memory");
-}
-
-__device__ __forceinline__ void tma_load_3d(void* dst, const TensorMap* map, u64* bar, int c0, int c1, int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];"
-      ::"r"(smem_addr(dst)), "l"((u64)map), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-}
-
-// wgmma shared-memory descriptor of a K-major tile stored as 128-byte rows with the 128-byte
-// swizzle (what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B): 8-row atoms 1024 bytes apart.
-__device__ __forceinline__ u64 smem_desc(const void* p) {
-  const u64 addr = smem_addr(p);
-  return ((addr & 0x3FFFF) >> 4) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int PENDING>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory"); }
 
 // d (64 x 128 fp32, this warpgroup's fragment) = (accumulate ? d : 0) + a (64 x 32) . b (128 x 32)^T
 __device__ __forceinline__ void wgmma_m64n128k32(float* d, u64 desc_a, u64 desc_b, int accumulate) {
@@ -103,98 +48,6 @@ __device__ __forceinline__ void wgmma_m64n128k32(float* d, u64 desc_a, u64 desc_
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-// Keeps the compiler from moving reads of wgmma results above the wait (the asm above does not
-// tell it when the asynchronous write lands).
-__device__ __forceinline__ void fence_registers(float* d) {
-#pragma unroll
-  for (int i = 0; i < FRAG; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// Output element types (out_kind): 0 bf16, 1 fp16, 2 fp32; rounding to nearest even.
-__device__ __forceinline__ u32 pack_half2(int out_kind, float lo, float hi) {
-  u32 r;
-  if (out_kind == 0) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
-__device__ __forceinline__ void store_one(void* out, int out_kind, long long i, float v) {
-  if (out_kind == 2) ((float*)out)[i] = v;
-  else ((unsigned short*)out)[i] = (unsigned short)(pack_half2(out_kind, v, 0.f) & 0xffff);
-}
-
-// out[row_offset + c] and [.. + c + 1] (c even), masked at N.
-__device__ __forceinline__ void store_pair(void* out, int out_kind, long long row_offset, int c, int N,
-                                           bool paired, float lo, float hi) {
-  if (paired && c + 1 < N) {
-    if (out_kind == 2) *(float2*)((float*)out + row_offset + c) = make_float2(lo, hi);
-    else *(u32*)((unsigned short*)out + row_offset + c) = pack_half2(out_kind, lo, hi);
-    return;
-  }
-  if (c < N) store_one(out, out_kind, row_offset + c, lo);
-  if (c + 1 < N) store_one(out, out_kind, row_offset + c + 1, hi);
-}
-
-// The tile list of all groups, in shared memory: tile_end[g] is the inclusive prefix over groups
-// of (row tiles x column tiles); row_start / row_end are the group's rows clamped to [0, M).
-struct Schedule {
-  int* tile_end;
-  int* row_start;
-  int* row_end;
-};
-
-__device__ void build_schedule(const int* __restrict__ offs, int G, int M, int num_n, Schedule s, int* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = THREADS / 32;
-  int carry = 0;
-  for (int base = 0; base < G; base += THREADS) {
-    const int g = base + threadIdx.x;
-    int count = 0;
-    if (g < G) {
-      const int end = min(max(offs[g], 0), M);
-      const int start = g == 0 ? 0 : min(max(offs[g - 1], 0), M);
-      s.row_start[g] = start;
-      s.row_end[g] = max(end, start);
-      count = ((max(end - start, 0) + BLOCK_M - 1) / BLOCK_M) * num_n;
-    }
-    int inc = count;
-    for (int d = 1; d < 32; d <<= 1) {
-      const int o = __shfl_up_sync(0xffffffffu, inc, d);
-      if (lane >= d) inc += o;
-    }
-    if (lane == 31) scratch[warp] = inc;
-    __syncthreads();
-    int before = carry;
-    for (int w = 0; w < warp; ++w) before += scratch[w];
-    if (g < G) s.tile_end[g] = before + inc;
-    int total = 0;
-    for (int w = 0; w < num_warps; ++w) total += scratch[w];
-    carry += total;
-    __syncthreads();
-  }
-}
-
-struct Tile {
-  int group, row0, row_end, col0;
-};
-
-__device__ __forceinline__ Tile locate(int t, const Schedule& s, int G) {
-  int lo = 0, hi = G - 1;  // first group whose tile_end exceeds t
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (s.tile_end[mid] > t) hi = mid; else lo = mid + 1;
-  }
-  const int local = t - (lo == 0 ? 0 : s.tile_end[lo - 1]);
-  const int rows = s.row_end[lo] - s.row_start[lo];
-  const int m_tiles = (rows + BLOCK_M - 1) / BLOCK_M;
-  // Row tiles vary fastest: the blocks running at once share few weight column blocks.
-  Tile tile;
-  tile.group = lo;
-  tile.row0 = s.row_start[lo] + (local % m_tiles) * BLOCK_M;
-  tile.row_end = s.row_end[lo];
-  tile.col0 = (local / m_tiles) * BLOCK_N;
-  return tile;
 }
 
 // The scales of one k step for a consumer thread's two rows (r0, r0 + 8): a's times b's.
@@ -227,7 +80,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  build_schedule(offs, G, M, num_n, sched, scratch);  // ends with __syncthreads
+  build_schedule(offs, G, M, num_n, BLOCK_M, sched, scratch);  // ends with __syncthreads
   const int num_tiles = sched.tile_end[G - 1];
 
   if (warpgroup == 0) {
@@ -238,7 +91,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
       int stage = 0;
       u32 phase = 0;
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        const Tile tile = locate(t, sched, G);
+        const Tile tile = locate(t, sched, G, BLOCK_M, BLOCK_N);
         for (int kb = 0; kb < num_kb; ++kb) {
           mbar_wait(&empty[stage], phase ^ 1);
           unsigned char* dst = smem + stage * STAGE_BYTES;
@@ -268,7 +121,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
   u32 phase = 0;
 
   for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    const Tile tile = locate(t, sched, G);
+    const Tile tile = locate(t, sched, G, BLOCK_M, BLOCK_N);
     const int r0 = tile.row0 + frag_row, r1 = r0 + 8;
     const float* sa0 = a_scale + (long long)min(r0, M - 1) * a_scale_stride_m;
     const float* sa1 = a_scale + (long long)min(r1, M - 1) * a_scale_stride_m;
@@ -294,7 +147,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
     // The DeepSeek-V3 promotion: each 128-deep product is scaled and added in fp32, then its
     // stage goes back to the producer.
     auto promote = [&](const float* part, int part_stage, StepScales sc) {
-      fence_registers(const_cast<float*>(part));
+      fence_registers<FRAG>(const_cast<float*>(part));
       mbar_arrive_if(&empty[part_stage], lane == 0);
 #pragma unroll
       for (int j = 0; j < FRAG / 4; ++j) {

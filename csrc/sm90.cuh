@@ -1,0 +1,190 @@
+// Hopper (sm_90a) building blocks shared by the csrc/ GEMM kernels: mbarriers, TMA loads,
+// wgmma fences and waits, and the epilogue's stores.
+
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// The driver's CUtensorMap: 128 opaque bytes, 64-byte aligned, passed by value.
+struct __align__(64) TensorMap { u64 opaque[16]; };
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+
+// Predicated rather than branched: it runs while a wgmma is in flight, and nvcc 13.0's ptxas
+// serializes every wgmma (waits for each) when a divergent branch sits inside a flight.
+__device__ __forceinline__ void mbar_arrive_if(u64* bar, bool pred) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %1, 0;\n @p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n"
+               ::"r"(smem_addr(bar)), "r"((int)pred) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT;\n}\n"
+      ::"r"(smem_addr(bar)), "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, u64* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+      ::"r"(smem_addr(dst)), "l"((u64)map), "r"(smem_addr(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load_3d(void* dst, const TensorMap* map, u64* bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];"
+      ::"r"(smem_addr(dst)), "l"((u64)map), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+// TMA stores of a shared-memory box (asynchronous bulk groups of the issuing thread): plain,
+// or added to global memory in the tensor map's element type.
+__device__ __forceinline__ void tma_store_3d(const TensorMap* map, const void* src, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];"
+               ::"l"((u64)map), "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2) : "memory");
+}
+
+__device__ __forceinline__ void tma_reduce_add_3d(const TensorMap* map, const void* src, int c0, int c1, int c2) {
+  asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];"
+               ::"l"((u64)map), "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2) : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// This thread's bulk stores have read their shared memory (it may be overwritten).
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// ... and have completed.
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// Makes this thread's shared-memory stores visible to TMA and wgmma (the async proxy).
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Barrier `id` (1..15) of `count` threads (a warpgroup: 128).
+__device__ __forceinline__ void named_barrier(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
+// wgmma shared-memory descriptor of a K-major tile stored as 128-byte rows with the 128-byte
+// swizzle (what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B): 8-row atoms 1024 bytes apart.
+__device__ __forceinline__ u64 smem_desc(const void* p) {
+  const u64 addr = smem_addr(p);
+  return ((addr & 0x3FFFF) >> 4) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// wgmma descriptor of an M/N-major operand stored as boxes of 64 M/N-elements (128 bytes) x
+// k rows with the 128-byte swizzle: leading byte offset = from one 64-element chunk to the
+// next (one box), stride byte offset = from one 8-row group of k to the next (1024 bytes).
+__device__ __forceinline__ u64 smem_desc_mn(const void* p, u32 box_bytes) {
+  const u64 addr = smem_addr(p);
+  return ((addr & 0x3FFFF) >> 4) | ((u64)(box_bytes >> 4) << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory"); }
+
+// Keeps the compiler from moving reads of wgmma results above the wait (the asm above does not
+// tell it when the asynchronous write lands).
+template <int N>
+__device__ __forceinline__ void fence_registers(float* d) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Output element types (out_kind): 0 bf16, 1 fp16, 2 fp32; rounding to nearest even.
+__device__ __forceinline__ u32 pack_half2(int out_kind, float lo, float hi) {
+  u32 r;
+  if (out_kind == 0) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ void store_one(void* out, int out_kind, long long i, float v) {
+  if (out_kind == 2) ((float*)out)[i] = v;
+  else ((unsigned short*)out)[i] = (unsigned short)(pack_half2(out_kind, v, 0.f) & 0xffff);
+}
+
+// out[row_offset + c] and [.. + c + 1] (c even), masked at N.
+__device__ __forceinline__ void store_pair(void* out, int out_kind, long long row_offset, int c, int N,
+                                           bool paired, float lo, float hi) {
+  if (paired && c + 1 < N) {
+    if (out_kind == 2) *(float2*)((float*)out + row_offset + c) = make_float2(lo, hi);
+    else *(u32*)((unsigned short*)out + row_offset + c) = pack_half2(out_kind, lo, hi);
+    return;
+  }
+  if (c < N) store_one(out, out_kind, row_offset + c, lo);
+  if (c + 1 < N) store_one(out, out_kind, row_offset + c + 1, hi);
+}
+
+// The tile list of all groups, in shared memory: tile_end[g] is the inclusive prefix over groups
+// of (row tiles x column tiles); row_start / row_end are the group's rows clamped to [0, M).
+struct Schedule {
+  int* tile_end;
+  int* row_start;
+  int* row_end;
+};
+
+// Every thread of the block takes part (it ends with __syncthreads); scratch holds 32 ints.
+__device__ void build_schedule(const int* __restrict__ offs, int G, int M, int num_n, int block_m, Schedule s,
+                               int* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x / 32;
+  int carry = 0;
+  for (int base = 0; base < G; base += blockDim.x) {
+    const int g = base + threadIdx.x;
+    int count = 0;
+    if (g < G) {
+      const int end = min(max(offs[g], 0), M);
+      const int start = g == 0 ? 0 : min(max(offs[g - 1], 0), M);
+      s.row_start[g] = start;
+      s.row_end[g] = max(end, start);
+      count = ((max(end - start, 0) + block_m - 1) / block_m) * num_n;
+    }
+    int inc = count;
+    for (int d = 1; d < 32; d <<= 1) {
+      const int o = __shfl_up_sync(0xffffffffu, inc, d);
+      if (lane >= d) inc += o;
+    }
+    if (lane == 31) scratch[warp] = inc;
+    __syncthreads();
+    int before = carry;
+    for (int w = 0; w < warp; ++w) before += scratch[w];
+    if (g < G) s.tile_end[g] = before + inc;
+    int total = 0;
+    for (int w = 0; w < num_warps; ++w) total += scratch[w];
+    carry += total;
+    __syncthreads();
+  }
+}
+
+struct Tile {
+  int group, row0, row_end, col0;
+};
+
+__device__ __forceinline__ Tile locate(int t, const Schedule& s, int G, int block_m, int block_n) {
+  int lo = 0, hi = G - 1;  // first group whose tile_end exceeds t
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (s.tile_end[mid] > t) hi = mid; else lo = mid + 1;
+  }
+  const int local = t - (lo == 0 ? 0 : s.tile_end[lo - 1]);
+  const int rows = s.row_end[lo] - s.row_start[lo];
+  const int m_tiles = (rows + block_m - 1) / block_m;
+  // Row tiles vary fastest: the blocks running at once share few weight column blocks.
+  Tile tile;
+  tile.group = lo;
+  tile.row0 = s.row_start[lo] + (local % m_tiles) * block_m;
+  tile.row_end = s.row_end[lo];
+  tile.col0 = (local / m_tiles) * block_n;
+  return tile;
+}
