@@ -391,7 +391,9 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bias: torch
     cfg = grouped_mm_config(size_hint(N), size_hint(K), a.dtype, a.device.type)
     b_inner = b.transpose(1, 2) if b_k_contiguous else b
     use_tma = K > 0 and _use_tma(a, b_inner)  # no descriptor over an empty K dimension
-    tma_store = use_tma and _tma_ok(out)
+    # The TMA store stages a whole output tile in shared memory: the bf16 tile's stages leave
+    # room for a 2-byte one only (a bf16 -> fp32 call asked for 272 KB, the limit is 227 KB).
+    tma_store = use_tma and _tma_ok(out) and out.element_size() <= a.element_size()
     num_programs = _num_sms(_device_index(a)) * cfg.ctas_per_sm
     has_bias = bias is not None
     wrap_triton(_grouped_mm_kernel)[(num_programs,)](
