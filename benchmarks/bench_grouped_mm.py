@@ -1,7 +1,9 @@
 """Grouped GEMM benchmark: compiled_moe vs torch._grouped_mm, same process, same inputs.
 
 Every model shape of DESIGN.md section 6 x {uniform, skewed} x {fc1, fc2} x {forward, dgrad,
-wgrad}, bf16. Prints ratios (peer time / our time: > 1 means we are faster).
+wgrad}, bf16. Prints ratios (peer time / our time: > 1 means we are faster). "ours" is what the
+ops run (on Hopper the CUDA kernels of csrc/grouped_mm.cu); the Triton kernels they replace
+(COMPILED_MOE_GEMM=triton) are timed in the same run.
 
     python benchmarks/bench_grouped_mm.py --json out.json            # the RESULTS.md table
     python benchmarks/bench_grouped_mm.py --sweep --routing uniform  # tile-config sweep
@@ -115,24 +117,32 @@ def run(args):
                               f"{sweep['heuristic']:7.3f} ms ({t_peer / sweep['heuristic']:.2f}x)",
                               flush=True)
                     t_ours = bench(ours[p])
+                    os.environ["COMPILED_MOE_GEMM"] = "triton"
+                    check(ours[p], peer[p], name + " (Triton)")
+                    t_triton = bench(ours[p])
+                    del os.environ["COMPILED_MOE_GEMM"]
                     row.update(ours_ms=t_ours, ours_tflops=flops / t_ours / 1e9,
-                               speedup=t_peer / t_ours)
+                               speedup=t_peer / t_ours, triton_ms=t_triton,
+                               triton_tflops=flops / t_triton / 1e9, vs_triton=t_triton / t_ours)
                     rows.append(row)
                     if not args.sweep:
                         print(f"{name:42s} ours {t_ours:7.3f} ms {row['ours_tflops']:6.0f} TF/s | "
                               f"torch._grouped_mm {t_peer:7.3f} ms {row['peer_tflops']:6.0f} TF/s "
-                              f"| {row['speedup']:.2f}x", flush=True)
+                              f"| {row['speedup']:.2f}x | Triton {row['triton_tflops']:6.0f} TF/s "
+                              f"({row['vs_triton']:.2f}x)", flush=True)
                 del ours, peer
                 torch.cuda.empty_cache()
     return rows
 
 
 def summary(rows):
-    lines = ["", "| model | routing | proj | pass | ours TFLOP/s | torch._grouped_mm TFLOP/s | speedup |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["", "| model | routing | proj | pass | ours TFLOP/s | torch._grouped_mm TFLOP/s | speedup "
+                 "| our Triton TFLOP/s | ours/Triton |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['routing']} | {r['proj']} | {r['pass']} | "
-                     f"{r['ours_tflops']:.0f} | {r['peer_tflops']:.0f} | {r['speedup']:.2f}x |")
+                     f"{r['ours_tflops']:.0f} | {r['peer_tflops']:.0f} | {r['speedup']:.2f}x | "
+                     f"{r['triton_tflops']:.0f} | {r['vs_triton']:.2f}x |")
     for p in PASSES:
         s = [r["speedup"] for r in rows if r["pass"] == p]
         if s:

@@ -73,13 +73,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
   const int num_n = (N + BLOCK_N - 1) / BLOCK_N;
   const int num_kb = (K + BLOCK_K - 1) / BLOCK_K;
   const int warpgroup = threadIdx.x / 128;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < num_stages; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 8);  // lane 0 of each consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  init_ring(full, empty, num_stages, 8);
   build_schedule(offs, G, M, num_n, BLOCK_M, sched, scratch);  // ends with __syncthreads
   const int num_tiles = sched.tile_end[G - 1];
 

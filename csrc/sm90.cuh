@@ -15,6 +15,18 @@ __device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
 }
 
+// The ring's barriers, by thread 0: full[s] completes when stage s's TMA bytes have landed
+// (the producer's one arrival), empty[s] when lane 0 of each of the `consumer_warps` has
+// released it.
+__device__ __forceinline__ void init_ring(u64* full, u64* empty, int num_stages, int consumer_warps) {
+  if (threadIdx.x != 0) return;
+  for (int s = 0; s < num_stages; ++s) {
+    mbar_init(&full[s], 1);
+    mbar_init(&empty[s], consumer_warps);
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
 __device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
                : "memory");

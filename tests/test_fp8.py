@@ -654,31 +654,3 @@ def test_fp8_cuda_kernel_limits():
     a = torch.zeros(256, 512, dtype=R.FP8_DTYPE)
     b = torch.zeros(4, 256, 512, dtype=R.FP8_DTYPE).mT
     assert not sm90.supported(a, b, "fp8_blockwise")
-
-
-def test_fp8_cuda_kernel_compiles_without_spills_or_wgmma_serialization(tmp_path):
-    """ptxas keeps the CUDA FP8 kernel's wgmma asynchronous and its registers unspilled. Both
-    break silently: when a non-wgmma instruction or (for some ptxas versions) a divergent
-    branch sits inside a wgmma's flight, ptxas waits for every wgmma to finish (each wait in
-    the SASS becomes `WARPGROUP.DEPBAR.LE gsb0, 0x0`; measured 1.1-1.2x slower on the H200),
-    and spills land in the promotion loop."""
-    import os
-    import subprocess
-
-    import triton
-    from compiled_moe import native
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        pytest.skip("Triton's cuobjdump is not installed")
-    path = native.csrc_dir() / "fp8_grouped_mm.cu"
-    arch = native.source_arch(path, "sm_90")
-    log = native.ptxas_report(path, arch)
-    assert "fp8_blockwise_grouped_mm" in log and "serialized" not in log, log
-    assert "0 bytes spill stores, 0 bytes spill loads" in log, log
-    cubin = tmp_path / "fp8_grouped_mm.cubin"
-    cubin.write_bytes(native.compile_source(path, arch))
-    sass = subprocess.run([cuobjdump, "--dump-sass", str(cubin)], capture_output=True, text=True,
-                          check=True).stdout
-    assert sass.count("QGMMA.64x128x32.F32.E4M3.E4M3") >= 8
-    # Each steady-state step waits with one step still in flight.
-    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass

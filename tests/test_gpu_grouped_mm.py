@@ -168,3 +168,104 @@ def test_opcheck_gpu():
     torch.library.opcheck(ops.grouped_sum.default, (d, offs, torch.float32))
     torch.library.opcheck(ops.grouped_mm_wgrad_accumulate_.default,
                           (torch.zeros(G, K, N, device=DEV), a.detach(), d.detach(), offs, None))
+
+
+# ------------------------------------------------------------- the Hopper CUDA kernels directly
+
+CUDA_SHAPES = [  # (M, K, N, G, tail)
+    (4096, 2048, 1536, 32, 32),  # large experts, rows past the last group
+    (2048, 768, 2048, 128, 0),   # many groups of one tile or less
+    (1000, 200, 328, 6, 8),      # K and N not multiples of the tiles
+    (300, 64, 64, 1, 0),         # one group
+    (3, 1440, 2880, 9, 0),       # fewer rows than a tile: most groups empty
+]
+
+
+@pytest.mark.parametrize("shape", CUDA_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_kernels_match_oracle_and_triton(shape, dtype, monkeypatch):
+    """csrc/grouped_mm.cu (what the ops run on Hopper): forward in both weight layouts with a
+    bias, dgrad, the weight gradient (new output, and fp32 main_grad accumulation with a mask in
+    both layouts) against the float64 loop and the Triton kernels, no host sync."""
+    from compiled_moe.kernels import grouped_mm_sm90 as sm90
+    M, K, N, G, tail = shape
+    torch.manual_seed(M + K)
+    x = torch.randn(M, K, device=DEV, dtype=dtype)
+    w = torch.randn(G, N, K, device=DEV, dtype=dtype) / K ** 0.5
+    dy = torch.randn(M, N, device=DEV, dtype=dtype)
+    bias = torch.randn(G, N, device=DEV, dtype=torch.float32)
+    offs = skewed_offsets(M, G, seed=M, empty_groups=min(1, G - 1), tail=tail)
+    end = int(offs[-1])
+    x[end:] = float("nan")  # rows past the last group must not reach any output
+    dy[end:] = float("nan")
+    mask = torch.arange(G, device=DEV) % 2 == 0
+    main = torch.randn(G, N, K, device=DEV)
+    main_t = torch.randn(G, K, N, device=DEV).transpose(1, 2)  # a (G, K, N) buffer as (G, N, K)
+    assert sm90.supported(x, w.mT, bias, dtype) and sm90.supported(dy, w, None, dtype)
+    assert sm90.wgrad_supported(dy, x, dtype) and sm90.wgrad_supported(dy, x, torch.float32, main_t)
+
+    def run():
+        m, mt = main.clone(), main_t.clone()
+        cm.grouped_mm_wgrad_accumulate_(m, dy, x, offs, accumulate_mask=mask)
+        cm.grouped_mm_wgrad_accumulate_(mt, dy, x, offs, accumulate_mask=mask)
+        return (cm.grouped_mm(x, w.mT, offs, bias=bias), cm.grouped_mm(x, w.mT.contiguous(), offs),
+                cm.grouped_mm(dy, w, offs), cm.grouped_mm_wgrad(dy, x, offs), m, mt)
+
+    run()
+    poison_allocator(4 * G * N * K)
+    with no_sync():
+        got = run()
+    monkeypatch.setenv("COMPILED_MOE_GEMM", "triton")
+    triton_out = run()
+    monkeypatch.delenv("COMPILED_MOE_GEMM")
+    xs, dys = x[:end], dy[:end]
+    wgrad = loop_wgrad(dys, xs, offs)
+    oracles = [loop_grouped_mm(x, w.mT, offs, bias), loop_grouped_mm(x, w.mT, offs),
+               loop_grouped_mm(dy, w, offs), wgrad,
+               wgrad + main.double() * mask[:, None, None],
+               wgrad + main_t.double() * mask[:, None, None]]
+    for name, g, t, o in zip(["forward+bias", "forward (K, N)", "dgrad", "wgrad", "main_grad",
+                              "main_grad^T"], got, triton_out, oracles):
+        o = o.to(g.device)
+        scale = o.abs().max().item()
+        tol = 1e-5 if g.dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(g.double(), o, rtol=tol, atol=tol * scale, msg=name)
+        torch.testing.assert_close(g.double(), t.double(), rtol=tol, atol=tol * scale, msg=name)
+        if name.startswith(("forward", "dgrad")):
+            assert (g[end:] == 0).all(), name
+
+
+def test_cuda_kernels_fall_back():
+    """Operands the CUDA kernels cannot take run the Triton kernels, with the same result: an
+    unaligned address, N not a multiple of 8, an fp32 output."""
+    M, K, N, G = 512, 256, 200, 4
+    torch.manual_seed(3)
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device=DEV, dtype=torch.bfloat16) / K ** 0.5
+    offs = skewed_offsets(M, G, seed=4)
+    shifted = torch.empty(M * K + 4, device=DEV, dtype=torch.bfloat16)[4:].view(M, K)
+    shifted.copy_(x)
+    assert shifted.data_ptr() % 16 != 0
+    want = loop_grouped_mm(x, w.mT, offs)
+    for got in (cm.grouped_mm(shifted, w.mT, offs), cm.grouped_mm(x, w.mT, offs, out_dtype=torch.float32)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
+    w_odd = w[:, :197]  # N = 197
+    torch.testing.assert_close(cm.grouped_mm(x, w_odd.mT, offs).double(),
+                               loop_grouped_mm(x, w_odd.mT, offs), rtol=1e-2, atol=1e-2)
+    dy = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
+    torch.testing.assert_close(cm.grouped_mm_wgrad(shifted, dy, offs).double(),
+                               loop_wgrad(x, dy, offs), rtol=1e-2, atol=1e-1)
+
+
+def test_cuda_ops_opcheck():
+    M, K, N, G = 256, 64, 96, 4
+    a = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device=DEV, dtype=torch.bfloat16)
+    d = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
+    bias = torch.randn(G, N, device=DEV, dtype=torch.bfloat16)
+    offs = skewed_offsets(M, G, seed=9, empty_groups=1)
+    ops = torch.ops.compiled_moe
+    torch.library.opcheck(ops.grouped_mm_sm90.default, (a, w.transpose(1, 2), offs, bias, None))
+    torch.library.opcheck(ops.grouped_mm_wgrad_sm90.default, (a, d, offs, None))
+    torch.library.opcheck(ops.grouped_mm_wgrad_accumulate_sm90_.default,
+                          (torch.zeros(G, K, N, device=DEV), a, d, offs, torch.ones(G, dtype=torch.bool, device=DEV)))

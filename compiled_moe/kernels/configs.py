@@ -283,3 +283,25 @@ def fp8_blockwise_sm90_config(m: int, n: int, k: int, groups: int) -> TileConfig
         return TileConfig(block_m=128, block_n=128, block_k=128, num_warps=12, num_stages=6)
 
     return _choose("fp8_blockwise_sm90", (m, n, k, groups), "cuda", heuristic)
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_mm_wgrad_sm90_config() -> TileConfig:
+    """Tile of the CUDA bf16/fp16 weight-gradient kernel (csrc/grouped_mm.cu): 128 x 256 output
+    tiles (two consumer warpgroups of 64 x 256 fp32, a thread's registers) reduced 64 rows per
+    step; a stage is 48 KB, so 3 stages fit beside the 64 KB that stages the output for TMA."""
+    def heuristic():
+        return TileConfig(block_m=128, block_n=256, block_k=64, num_warps=12, num_stages=3)
+
+    return _choose("grouped_mm_wgrad_sm90", (), "cuda", heuristic)
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_mm_sm90_config() -> TileConfig:
+    """Tile of the CUDA bf16/fp16 forward/dgrad kernel (csrc/grouped_mm.cu): 128 x 256 x 64,
+    the Triton kernel's best tile too (see grouped_mm_config); 3 stages of 48 KB beside the
+    64 KB output staging and the tile list."""
+    def heuristic():
+        return TileConfig(block_m=128, block_n=256, block_k=64, num_warps=12, num_stages=3)
+
+    return _choose("grouped_mm_sm90", (), "cuda", heuristic)

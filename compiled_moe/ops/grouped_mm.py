@@ -4,9 +4,13 @@ torch.ops.compiled_moe.grouped_mm                 out = a @ b[g] per row group (
 torch.ops.compiled_moe.grouped_mm_wgrad           out[g] = a_g^T @ grad_out_g
 torch.ops.compiled_moe.grouped_mm_wgrad_accumulate_  main_grad[g] (+)= a_g^T @ grad_out_g, in place
 torch.ops.compiled_moe.grouped_sum                out[g] = sum of x's rows in group g (dbias)
+torch.ops.compiled_moe.grouped_mm_sm90, grouped_mm_wgrad_sm90, grouped_mm_wgrad_accumulate_sm90_
+                                                  the Hopper CUDA kernels the ops above call
 
 They are ``triton_op``s: on CUDA the body launches Triton kernels through ``wrap_triton`` so
-inductor sees and inlines them; elsewhere the body is the pure-torch reference.
+inductor sees and inlines them, or, on Hopper with TMA-friendly operands, calls the CUDA
+kernels of csrc/grouped_mm.cu through opaque custom ops; elsewhere the body is the
+pure-torch reference.
 No kernels need fixed strides (both b layouts and any a strides are handled; TMA is used when
 the strides allow it), so no layout tag is set.
 """
@@ -32,6 +36,11 @@ from compiled_moe.ops._dispatch import (
 def _kernels():
     from compiled_moe.kernels import grouped_mm as kernels  # Triton loads only when needed
     return kernels
+
+
+def _sm90():
+    from compiled_moe.kernels import grouped_mm_sm90  # the Hopper CUDA kernels' launchers
+    return grouped_mm_sm90
 
 
 # ---------------------------------------------------------------------------- checks
@@ -74,6 +83,8 @@ def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor, bias: Optional[Tensor] = Non
     _check_grouped_mm(a, b, offs, bias, out_dtype)
     if not use_kernel(a):
         return reference.grouped_mm(a, b, offs, bias, out_dtype)
+    if _sm90().supported(a, b, bias, out_dtype or a.dtype):
+        return torch.ops.compiled_moe.grouped_mm_sm90(a, b, offs, bias, out_dtype)
     out = a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or a.dtype)
     _kernels().grouped_mm(a, b, offs, bias, out)
     return out
@@ -128,6 +139,8 @@ def _grouped_mm_wgrad(a: Tensor, grad_out: Tensor, offs: Tensor,
     check_out_dtype(out_dtype)
     if not use_kernel(a):
         return reference.grouped_mm_wgrad(a, grad_out, offs, out_dtype)
+    if _sm90().wgrad_supported(a, grad_out, out_dtype or a.dtype):
+        return torch.ops.compiled_moe.grouped_mm_wgrad_sm90(a, grad_out, offs, out_dtype)
     out = a.new_empty((offs.shape[0], a.shape[1], grad_out.shape[1]), dtype=out_dtype or a.dtype)
     _kernels().grouped_mm_wgrad(a, grad_out, offs, out, accumulate=False, accumulate_mask=None)
     return out
@@ -184,11 +197,88 @@ def _grouped_mm_wgrad_accumulate_(main_grad: Tensor, a: Tensor, grad_out: Tensor
     if not use_kernel(a):
         reference.grouped_mm_wgrad_accumulate_(main_grad, a, grad_out, offs, accumulate_mask)
         return
+    if main_grad.dtype == torch.float32 and _sm90().wgrad_supported(a, grad_out, main_grad.dtype,
+                                                                     main_grad):
+        torch.ops.compiled_moe.grouped_mm_wgrad_accumulate_sm90_(main_grad, a, grad_out, offs,
+                                                                 accumulate_mask)
+        return
     _kernels().grouped_mm_wgrad(a, grad_out, offs, main_grad, accumulate=True,
                                 accumulate_mask=accumulate_mask)
 
 
 @_grouped_mm_wgrad_accumulate_.register_fake
+def _(main_grad, a, grad_out, offs, accumulate_mask=None):
+    _check_wgrad_accumulate(main_grad, a, grad_out, offs, accumulate_mask)
+
+
+# ---------------------------------------------------------------------------- Hopper CUDA kernels
+# csrc/grouped_mm.cu, which the ops above call on sm_90 when the operands suit TMA. Opaque
+# custom ops, because inductor cannot trace a driver launch. Each repeats its op's checks (a
+# few microseconds of host time): they are reachable through torch.ops, and a bad call must not
+# reach a kernel. Calls the kernels cannot take at run time (M = 0, an unaligned address) go to
+# the Triton kernels.
+
+
+@torch.library.custom_op("compiled_moe::grouped_mm_sm90", mutates_args=(), device_types="cuda")
+def _grouped_mm_sm90(a: Tensor, b: Tensor, offs: Tensor, bias: Optional[Tensor] = None,
+                     out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    _check_grouped_mm(a, b, offs, bias, out_dtype)
+    out = a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or a.dtype)
+    sm90 = _sm90()
+    if a.shape[0] > 0 and sm90.supported(a, b, bias, out.dtype) and sm90.aligned(a, b, out):
+        sm90.grouped_mm(a, b, offs, bias, out)
+    else:
+        _kernels().grouped_mm(a, b, offs, bias, out)
+    return out
+
+
+@_grouped_mm_sm90.register_fake
+def _(a, b, offs, bias=None, out_dtype=None):
+    _check_grouped_mm(a, b, offs, bias, out_dtype)
+    return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or a.dtype)
+
+
+@torch.library.custom_op("compiled_moe::grouped_mm_wgrad_sm90", mutates_args=(), device_types="cuda")
+def _grouped_mm_wgrad_sm90(a: Tensor, grad_out: Tensor, offs: Tensor,
+                           out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    _check_wgrad(a, grad_out, offs)
+    check_out_dtype(out_dtype)
+    out = a.new_empty((offs.shape[0], a.shape[1], grad_out.shape[1]), dtype=out_dtype or a.dtype)
+    sm90 = _sm90()
+    if (a.shape[0] > 0 and sm90.wgrad_supported(a, grad_out, out.dtype, out)
+            and sm90.aligned(a, grad_out, out)):
+        sm90.grouped_mm_wgrad(a, grad_out, offs, out, accumulate=False, accumulate_mask=None)
+    else:
+        _kernels().grouped_mm_wgrad(a, grad_out, offs, out, accumulate=False, accumulate_mask=None)
+    return out
+
+
+@_grouped_mm_wgrad_sm90.register_fake
+def _(a, grad_out, offs, out_dtype=None):
+    _check_wgrad(a, grad_out, offs)
+    check_out_dtype(out_dtype)
+    return a.new_empty((offs.shape[0], a.shape[1], grad_out.shape[1]), dtype=out_dtype or a.dtype)
+
+
+@torch.library.custom_op("compiled_moe::grouped_mm_wgrad_accumulate_sm90_", mutates_args=("main_grad",),
+                         device_types="cuda")
+def _grouped_mm_wgrad_accumulate_sm90_(main_grad: Tensor, a: Tensor, grad_out: Tensor, offs: Tensor,
+                                       accumulate_mask: Optional[Tensor] = None) -> None:
+    _check_wgrad_accumulate(main_grad, a, grad_out, offs, accumulate_mask)
+    sm90 = _sm90()
+    if accumulate_mask is not None:
+        accumulate_mask = accumulate_mask.contiguous()  # the kernel reads mask[g] as bytes
+    if (a.shape[0] > 0 and main_grad.dtype == torch.float32
+            and sm90.wgrad_supported(a, grad_out, main_grad.dtype, main_grad)
+            and sm90.aligned(a, grad_out, main_grad)):
+        sm90.grouped_mm_wgrad(a, grad_out, offs, main_grad, accumulate=True,
+                              accumulate_mask=accumulate_mask)
+    else:
+        _kernels().grouped_mm_wgrad(a, grad_out, offs, main_grad, accumulate=True,
+                                    accumulate_mask=accumulate_mask)
+
+
+@_grouped_mm_wgrad_accumulate_sm90_.register_fake
 def _(main_grad, a, grad_out, offs, accumulate_mask=None):
     _check_wgrad_accumulate(main_grad, a, grad_out, offs, accumulate_mask)
 

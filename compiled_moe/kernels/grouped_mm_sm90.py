@@ -1,0 +1,161 @@
+"""Launchers of the Hopper bf16/fp16 grouped GEMM kernels in ``csrc/grouped_mm.cu`` (wgmma + TMA).
+
+``grouped_mm`` (forward and dgrad) and ``grouped_mm_wgrad`` run the CUDA kernels on sm_90
+when the operands meet TMA's rules (``supported`` / ``wgrad_supported``, then ``aligned`` at
+launch); everything else runs the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from compiled_moe import native
+from compiled_moe.kernels.configs import grouped_mm_sm90_config, grouped_mm_wgrad_sm90_config
+from compiled_moe.kernels.grouped_mm import _num_sms
+
+_THREADS = 384
+_ALIGN = 16  # TMA: base addresses and strides in bytes
+_BOX_BYTES = 64 * 128  # one 64-row x 64-element box of a 2-byte operand
+_STAGE_BYTES = (2 + 4) * _BOX_BYTES  # 128 columns of a, 256 of b
+_OUT_STAGE_BYTES = 2 * 64 * 256 * 2  # the two consumers' output tiles, staged for TMA stores
+_MAX_STAGES = 3  # what fits a Hopper block's 227 KB beside the output staging
+_OUT_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_OUT_MAP_TYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "FLOAT16", torch.float32: "FLOAT32"}
+_KERNELS = {torch.bfloat16: "grouped_mm_wgrad_bf16", torch.float16: "grouped_mm_wgrad_f16"}
+_FWD_KERNELS = {torch.bfloat16: "grouped_mm_bf16", torch.float16: "grouped_mm_f16"}
+MAX_GROUPS = 1024  # forward: the tile list lives in shared memory beside the ring
+
+
+def enabled() -> bool:
+    """COMPILED_MOE_GEMM=triton turns the CUDA kernels off (for comparisons)."""
+    return os.environ.get("COMPILED_MOE_GEMM", "cuda") != "triton"
+
+
+@functools.lru_cache(maxsize=None)
+def _device_ok(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0) and native.available()
+
+
+def _token_major(t: torch.Tensor) -> bool:
+    return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % _ALIGN == 0
+
+
+def _tma_out(out: torch.Tensor) -> bool:
+    """out (G, P, Q) or its (G, Q, P) transpose has unit column stride and 16-byte outer strides."""
+    if out.stride(2) != 1:
+        out = out.transpose(1, 2)
+    es = out.element_size()
+    return out.stride(2) == 1 and (out.stride(1) * es) % _ALIGN == 0 and (out.stride(0) * es) % _ALIGN == 0
+
+
+def _b_n_major(b: torch.Tensor) -> bool:
+    return b.stride(2) == 1
+
+
+def _aligned_strides(t: torch.Tensor) -> bool:
+    es = t.element_size()
+    return all((st * es) % _ALIGN == 0 for st, size in zip(t.stride(), t.shape) if st != 1)
+
+
+def supported(a: torch.Tensor, b: torch.Tensor, bias, out_dtype: torch.dtype) -> bool:
+    """Forward/dgrad into a fresh (M, N) output, static conditions (known while tracing):
+    device, dtypes, strides, group count; N a multiple of 8 (16-byte output stores).
+    Addresses are checked by ``aligned`` at launch."""
+    if not enabled() or a.device.type != "cuda" or not _device_ok(a.device.index or 0):
+        return False
+    (_, k), (g, _, n) = a.shape, b.shape
+    return (a.dtype in _FWD_KERNELS and out_dtype in _FWD_KERNELS and 0 < g <= MAX_GROUPS
+            and k > 0 and n % 8 == 0 and n > 0
+            and a.stride(1) == 1 and (b.stride(1) == 1 or b.stride(2) == 1)
+            and _aligned_strides(a) and _aligned_strides(b)
+            and (bias is None or (bias.stride(1) == 1 and bias.dtype in _OUT_KINDS)))
+
+
+def wgrad_supported(a: torch.Tensor, grad_out: torch.Tensor, out_dtype: torch.dtype,
+                    out: torch.Tensor | None = None) -> bool:
+    """Weight gradient into ``out`` (an fp32 main_grad, any layout) or, without it, a fresh
+    contiguous (G, K, N) output: static conditions. Addresses are checked by ``aligned``."""
+    if not enabled() or a.device.type != "cuda" or not _device_ok(a.device.index or 0):
+        return False
+    out_ok = (grad_out.shape[1] * out_dtype.itemsize) % _ALIGN == 0 if out is None else _tma_out(out)
+    return (a.dtype in _KERNELS and out_dtype in _OUT_KINDS and _token_major(a)
+            and _token_major(grad_out) and out_ok)
+
+
+def aligned(*tensors) -> bool:
+    return all(t.data_ptr() % _ALIGN == 0 for t in tensors)
+
+
+def _shared_bytes(num_stages: int, num_groups: int = 0) -> int:
+    # ring of 48 KB stages + output staging + 1024 alignment slack + 2 x 8 mbarriers
+    # (+ forward: 32 scan ints and 3 ints per group)
+    schedule = 4 * (32 + 3 * num_groups) if num_groups else 0
+    return num_stages * _STAGE_BYTES + _OUT_STAGE_BYTES + 1024 + 2 * 8 * 8 + schedule
+
+
+def _map(t: torch.Tensor) -> native.TensorMap:
+    """(rows, cols) 2-byte tensor as bytes: dims {2 cols, rows}, boxes of 64 rows x 128 bytes."""
+    rows, cols = t.shape
+    return native.tensor_map(t.data_ptr(), (cols * 2, rows), (t.stride(0) * 2,), (128, 64))
+
+
+def _out_map(out: torch.Tensor) -> native.TensorMap:
+    """(G, P, Q) output with unit column stride: dims {Q, P, G}, boxes of 128 bytes x 64 rows."""
+    G, P, Q = out.shape
+    es = out.element_size()
+    return native.tensor_map(out.data_ptr(), (Q, P, G), (out.stride(1) * es, out.stride(0) * es),
+                             (128 // es, 64, 1), _OUT_MAP_TYPES[out.dtype])
+
+
+def grouped_mm_wgrad(a, grad_out, offs, out, accumulate: bool, accumulate_mask, num_stages=None) -> None:
+    """out[g] (K, N) (+)= a_g^T @ grad_out_g. The caller checked ``wgrad_supported`` and
+    ``aligned``; accumulate needs fp32 out."""
+    if out.stride(2) != 1:  # a (G, N, K) buffer seen as (G, K, N): out^T[g] = grad_out_g^T @ a_g
+        a, grad_out, out = grad_out, a, out.transpose(1, 2)
+    M, P = a.shape
+    Q = grad_out.shape[1]
+    G = out.shape[0]
+    if P == 0 or Q == 0 or G == 0:
+        return
+    dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    cfg = grouped_mm_wgrad_sm90_config()
+    num_stages = min(num_stages or cfg.num_stages, _MAX_STAGES)
+    num_tiles = G * -(-P // 128) * -(-Q // 256)
+    i32, i64 = native.int32, native.int64
+    native.launch_driver(
+        native.kernel("grouped_mm", _KERNELS[a.dtype], dev),
+        min(_num_sms(dev), num_tiles), _THREADS, _shared_bytes(num_stages),
+        _map(a), _map(grad_out), _out_map(out),
+        i32(_OUT_KINDS[out.dtype]), i32(int(accumulate)), accumulate_mask if accumulate_mask is not None else native.int64(0),
+        offs.contiguous(), i32(M), i32(P), i32(Q), i32(G), i32(num_stages),
+    )
+
+
+def grouped_mm(a, b, offs, bias, out, num_stages=None) -> None:
+    """out (M, N) = a (M, K) @ b[g] (K, N) (+ bias[g]) per row group; rows past offs[-1] get 0.
+    The caller checked ``supported`` and ``aligned``."""
+    M, K = a.shape
+    G, _, N = b.shape
+    dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    if _b_n_major(b):  # dgrad: b is the (G, N_out, K_in) weight itself
+        b_map = native.tensor_map(b.data_ptr(), (N * 2, K, G), (b.stride(1) * 2, b.stride(0) * 2), (128, 64, 1))
+        name = _FWD_KERNELS[a.dtype] + "_nmajor"
+    else:  # forward: b is the transposed view of the weight
+        b_map = native.tensor_map(b.data_ptr(), (K * 2, N, G), (b.stride(2) * 2, b.stride(0) * 2), (128, 256, 1))
+        name = _FWD_KERNELS[a.dtype]
+    num_stages = min(num_stages or grouped_mm_sm90_config().num_stages, _MAX_STAGES)
+    i32, i64 = native.int32, native.int64
+    native.launch_driver(
+        native.kernel("grouped_mm", name, dev),
+        _num_sms(dev), _THREADS, _shared_bytes(num_stages, G),
+        native.tensor_map(a.data_ptr(), (K * 2, M), (a.stride(0) * 2,), (128, 128)), b_map,
+        native.tensor_map(out.data_ptr(), (N, M, 1), (out.stride(0) * 2, out.stride(0) * 2 * M), (64, 64, 1),
+                          _OUT_MAP_TYPES[out.dtype]),
+        out, i32(_OUT_KINDS[out.dtype]), i64(out.stride(0)),
+        bias if bias is not None else i64(0), i32(_OUT_KINDS[bias.dtype] if bias is not None else -1),
+        i64(bias.stride(0) if bias is not None else 0),
+        offs.contiguous(), i32(M), i32(N), i32(K), i32(G), i32(num_stages),
+    )

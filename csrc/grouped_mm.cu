@@ -1,0 +1,490 @@
+// bf16/fp16 grouped GEMMs for Hopper (sm_90a): wgmma on TMA-fed shared memory.
+//
+// grouped_mm_wgrad_{bf16,f16}: the weight gradient, reduced over each group's rows,
+//
+//   out[g] (P x Q) (+)= a[s_g:e_g]^T (P x rows) . b[s_g:e_g] (rows x Q),   fp32 accumulation,
+//
+// a (M, P) and b (M, Q) with unit column stride (token-major, as activations and gradients are
+// stored), [s_g, e_g) the rows of group g (offs: cumulative ends). Both operands reach the
+// tensor cores M/N-major (wgmma's transposed forms), so nothing is copied. Empty groups give
+// zeros. out (G, P, Q) bf16, fp16 or fp32 (out_kind 0, 1, 2) with unit column stride; with
+// `accumulate`, fp32 out is added to where mask[g] (or every group when mask is null).
+// compiled_moe/reference.py: grouped_mm_wgrad is the oracle.
+//
+// Why CUDA and not Triton: with 128-256 rows per group (Qwen3, GPT-OSS) each output tile is a
+// short reduction, and Triton 3.6's kernel spent most of its time waiting (ncu: a warp eligible
+// in 23% of cycles, tensor pipes mostly idle; 0.83-0.89x torch._grouped_mm). Here a producer
+// warp streams the next tiles' rows while the consumers reduce, and the output tile leaves by
+// TMA store under the next tile's wgmma: 0.98-1.29x torch._grouped_mm on the H200 (RESULTS.md).
+// The store is what matters at these sizes: the first version wrote the fragment straight
+// from registers (4-byte stores, 8 rows per warp instruction) and ran at 0.46-0.83x.
+//
+// Block: 384 threads. Warpgroup 0 is the producer (one thread issues TMA), warpgroups 1 and 2
+// each own 64 of a 128 x 256 output tile's rows (P). Persistent: one block per SM walks
+// tiles t = blockIdx.x, + gridDim.x, ... over (group, P tile, Q tile); every group has the
+// same number of tiles, so a tile's place needs no table. A group's last 64-row step may run
+// past its end: the consumers zero those rows in shared memory before their wgmma reads them
+// (the next group's rows, or anything past offs[-1]).
+
+#include "sm90.cuh"
+
+constexpr int BLOCK_P = 128, BLOCK_Q = 256, BLOCK_R = 64;  // output tile, rows per step
+constexpr int CHUNK = 64;                // elements in one 128-byte swizzled row of a box
+constexpr int BOX_BYTES = BLOCK_R * 128;  // one 64-row x 64-column box, 8 KB
+constexpr int A_BOXES = BLOCK_P / CHUNK, B_BOXES = BLOCK_Q / CHUNK;
+constexpr int STAGE_BYTES = (A_BOXES + B_BOXES) * BOX_BYTES;  // 48 KB
+constexpr int FRAG = BLOCK_Q / 2;  // fp32 accumulators per consumer thread (64 x 256 / 128)
+// A consumer's 64 x 256 output, staged for the TMA store: 4 boxes of 64 rows x 128 bytes for
+// 2-byte outputs; fp32 outputs go in two halves of 128 columns.
+constexpr int OUT_STAGE_BYTES = 64 * BLOCK_Q * 2;  // 32 KB
+constexpr int MAX_STAGES = 8;
+constexpr int BAND_P = 8;  // tile order: see tile_of
+constexpr int THREADS = 384;
+
+// d (64 x 256 fp32, this warpgroup's fragment) += a (64 x 16) . b (16 x 256); TA / TB: 0 K-major,
+// 1 M/N-major (wgmma's transposed forms, 16-bit types only).
+#define WGMMA_M64N256K16(TYPE, TA, TB) \
+  asm volatile( \
+      "{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n" \
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " " \
+      "{" \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, " \
+      "%128, %129, p, 1, 1, " TA ", " TB ";\n}\n" \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127]) \
+      : "l"(desc_a), "l"(desc_b))
+
+template <bool F16, bool TA, bool TB>
+__device__ __forceinline__ void wgmma_m64n256k16(float* d, u64 desc_a, u64 desc_b) {
+  static_assert(TB || !TA, "no kernel reads a M-major with b K-major");
+  if constexpr (F16 && TA && TB) WGMMA_M64N256K16("f16", "1", "1");
+  else if constexpr (TA && TB) WGMMA_M64N256K16("bf16", "1", "1");
+  else if constexpr (F16 && TB) WGMMA_M64N256K16("f16", "0", "1");
+  else if constexpr (TB) WGMMA_M64N256K16("bf16", "0", "1");
+  else if constexpr (F16) WGMMA_M64N256K16("f16", "0", "0");
+  else WGMMA_M64N256K16("bf16", "0", "0");
+}
+
+// st.shared of 16 zero bytes where pred holds (predicated, not branched: see mbar_arrive_if).
+__device__ __forceinline__ void zero16_if(u32 addr, bool pred) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %1, 0;\n @p st.shared.v4.b32 [%0], {%2, %2, %2, %2};\n}\n"
+               ::"r"(addr), "r"((int)pred), "r"(0) : "memory");
+}
+
+// A group's last step may hold rows past the group's end (the next group's, or anything past
+// offs[-1]): zero rows >= valid of this consumer's a box and of all b boxes. Each consumer
+// zeroes all of b, so neither waits for the other (the other's writes are the same zeros);
+// the fence makes the stores visible to wgmma's reads, the barrier to the whole warpgroup.
+__device__ __forceinline__ void cut_rows(unsigned char* stage, int consumer, int tid, int valid) {
+  const int row = tid >> 1, half = tid & 1;  // 2 threads per 128-byte row of a box
+  const bool cut = row >= valid;
+  const u32 a_row = smem_addr(stage + consumer * BOX_BYTES) + row * 128 + half * 64;
+  const u32 b_row = smem_addr(stage + A_BOXES * BOX_BYTES) + row * 128 + half * 64;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    zero16_if(a_row + 16 * c, cut);
+#pragma unroll
+    for (int box = 0; box < B_BOXES; ++box) zero16_if(b_row + box * BOX_BYTES + 16 * c, cut);
+  }
+  fence_async_shared();
+  named_barrier(1 + consumer, 128);
+}
+
+__device__ __forceinline__ int uniform(int v) { return __shfl_sync(0xffffffffu, v, 0); }
+
+// The consumers' k loop over `steps` stages of the ring: wait for a stage, issue(step, stage)
+// its wgmma, and give the previous stage back once its wgmma are done, so that one step stays
+// in flight while the next is issued. Returns with every wgmma done.
+template <typename Issue>
+__device__ __forceinline__ void consume_steps(int steps, int& stage, u32& phase, int num_stages, u64* full,
+                                              u64* empty, unsigned char* smem, int lane, Issue&& issue) {
+  int prev_stage = 0;
+  for (int i = 0; i < steps; ++i) {
+    mbar_wait(&full[stage], phase);
+    issue(i, smem + stage * STAGE_BYTES);
+    wgmma_commit();
+    wgmma_wait<1>();
+    mbar_arrive_if(&empty[prev_stage], lane == 0 && i > 0);
+    prev_stage = stage;
+    if (++stage == num_stages) { stage = 0; phase ^= 1; }
+  }
+  wgmma_wait<0>();
+  mbar_arrive_if(&empty[prev_stage], lane == 0 && steps > 0);
+}
+
+// A consumer's 64 x 256 fragment, plus bias(j) = the bias pair of its columns 8j + frag_col
+// and + 1, as 2-byte values into the staging buffer: four boxes of 64 rows x 128 bytes in the
+// 128-byte-swizzled layout of TMA (conflict-free: the 8 rows of a store land in 8 different
+// 16-byte chunks). Fragment: acc[4j + 0..1] are (row, 8j + frag_col + 0..1), acc[4j + 2..3]
+// the same columns of row + 8.
+template <typename Bias>
+__device__ __forceinline__ void stage_fragment_16bit(unsigned char* staging, const float* acc, int frag_row,
+                                                     int frag_col, int out_kind, Bias&& bias) {
+#pragma unroll
+  for (int j = 0; j < FRAG / 4; ++j) {
+    const float2 b = bias(j);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = frag_row + 8 * r;
+      const u32 addr = smem_addr(staging) + row * 128 + (j / 8) * BOX_BYTES + (((j % 8) ^ (row & 7)) * 16) + frag_col * 2;
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr),
+                   "r"(pack_half2(out_kind, acc[4 * j + 2 * r] + b.x, acc[4 * j + 2 * r + 1] + b.y)) : "memory");
+    }
+  }
+}
+
+template <bool F16>
+__device__ __forceinline__ void grouped_mm_wgrad(
+    const TensorMap& a_map, const TensorMap& b_map, const TensorMap& out_map, int out_kind,
+    int accumulate, const unsigned char* __restrict__ mask, const int* __restrict__ offs, int M, int P,
+    int Q, int G, int num_stages) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // 1024-byte alignment of every box: the 128-byte swizzle pattern repeats every 1024 bytes.
+  unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
+  unsigned char* out_stage = smem + num_stages * STAGE_BYTES;  // 2 consumers x 32 KB
+  u64* full = (u64*)(out_stage + 2 * OUT_STAGE_BYTES);
+  u64* empty = full + MAX_STAGES;
+
+  const int num_p = (P + BLOCK_P - 1) / BLOCK_P, num_q = (Q + BLOCK_Q - 1) / BLOCK_Q;
+  const int tiles_per_group = num_p * num_q, num_tiles = G * tiles_per_group;
+  const int warpgroup = threadIdx.x / 128;
+  init_ring(full, empty, num_stages, 8);
+  __syncthreads();
+
+  // Tile t: group t / tiles_per_group; within a group, bands of BAND_P tiles along P, P
+  // varying fastest in a band, so that the blocks running at once read few columns of both a
+  // and b (L2 reuse). With P varying fastest over all of P, Mixtral's fc1 (P = 28672) read a
+  // from DRAM once per Q tile: 0.99x torch._grouped_mm, 1.07x with the bands.
+  auto tile_of = [&](int t, int& g, int& p0, int& q0) {
+    g = t / tiles_per_group;
+    const int local = t - g * tiles_per_group;
+    const int band = local / (BAND_P * num_q), first = band * BAND_P;
+    const int band_p = min(num_p - first, BAND_P), in_band = local - band * BAND_P * num_q;
+    p0 = (first + in_band % band_p) * BLOCK_P;
+    q0 = (in_band / band_p) * BLOCK_Q;
+  };
+  auto group_rows = [&](int g, int& start, int& end) {
+    end = min(max(offs[g], 0), M);
+    start = g == 0 ? 0 : min(max(offs[g - 1], 0), M);
+    end = max(end, start);
+  };
+
+  if (warpgroup == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) {
+      asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&a_map) : "memory");
+      asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&b_map) : "memory");
+      // Boxes wholly past P or Q are not loaded: they feed only outputs that are not stored.
+      int stage = 0;
+      u32 phase = 0;
+      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+        int g, p0, q0, start, end;
+        tile_of(t, g, p0, q0);
+        group_rows(g, start, end);
+        const int a_boxes = min(A_BOXES, (P - p0 + CHUNK - 1) / CHUNK);
+        const int b_boxes = min(B_BOXES, (Q - q0 + CHUNK - 1) / CHUNK);
+        for (int row = start; row < end; row += BLOCK_R) {
+          mbar_wait(&empty[stage], phase ^ 1);
+          unsigned char* dst = smem + stage * STAGE_BYTES;
+          mbar_expect_tx(&full[stage], (a_boxes + b_boxes) * BOX_BYTES);
+          for (int j = 0; j < a_boxes; ++j)
+            tma_load_2d(dst + j * BOX_BYTES, &a_map, &full[stage], (p0 + j * CHUNK) * 2, row);
+          for (int j = 0; j < b_boxes; ++j)
+            tma_load_2d(dst + (A_BOXES + j) * BOX_BYTES, &b_map, &full[stage], (q0 + j * CHUNK) * 2, row);
+          if (++stage == num_stages) { stage = 0; phase ^= 1; }
+        }
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int consumer = warpgroup - 1;  // output rows consumer * 64 .. + 64 of the tile
+  const int tid = threadIdx.x - 128 * warpgroup;
+  const int warp_in_group = tid / 32, lane = threadIdx.x & 31;
+  // This thread's fragment rows within the consumer's 64 (and + 8), and column in each 8.
+  const int frag_row = warp_in_group * 16 + lane / 4, frag_col = (lane % 4) * 2;
+  unsigned char* staging = out_stage + consumer * OUT_STAGE_BYTES;
+  float acc[FRAG];
+  int stage = 0;
+  u32 phase = 0;
+
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    int g, p0, q0, start, end;
+    tile_of(t, g, p0, q0);
+    group_rows(g, start, end);
+    // The same in every lane (ptxas then sees the loop and the cut's branch as uniform; a
+    // branch it takes for divergent inside a wgmma's flight serializes every wgmma).
+    const int rows = uniform(end - start);
+    const int steps = (rows + BLOCK_R - 1) / BLOCK_R;
+#pragma unroll
+    for (int i = 0; i < FRAG; ++i) acc[i] = 0.f;
+    consume_steps(steps, stage, phase, num_stages, full, empty, smem, lane, [&](int i, unsigned char* st) {
+      const int valid = rows - i * BLOCK_R;
+      if (valid < BLOCK_R) cut_rows(st, consumer, tid, valid);
+      const unsigned char* a_box = st + consumer * BOX_BYTES;
+      const unsigned char* b_box = st + A_BOXES * BOX_BYTES;
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < BLOCK_R / 16; ++k)  // 16 rows of k = 2048 bytes of a box
+        wgmma_m64n256k16<F16, true, true>(acc, smem_desc_mn(a_box + 2048 * k, BOX_BYTES),
+                                            smem_desc_mn(b_box + 2048 * k, BOX_BYTES));
+    });
+    fence_registers<FRAG>(acc);
+
+    // Epilogue: the fragment goes to shared memory in the 128-byte-swizzled layout of the
+    // output map's boxes, then one thread stores it by TMA, which clips rows past P and
+    // columns past Q. The store runs on under the next tile's wgmma; only the next epilogue
+    // waits for it. With `accumulate`, groups whose mask is set are added to out (fp32)
+    // instead of stored.
+    const bool add = accumulate && (mask == nullptr || mask[g]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // fp32: 128 columns (4 boxes of 32) at a time
+      if (h == 1 && out_kind != 2) break;
+      if (tid == 0) bulk_wait_read();  // the previous store has left the staging buffer
+      named_barrier(1 + consumer, 128);
+      if (out_kind == 2) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = frag_row + 8 * r;
+#pragma unroll
+          for (int j = 0; j < FRAG / 8; ++j) {  // 16 column groups of 8 per half
+            const int jj = h * (FRAG / 8) + j;
+            const int col = (j % 4) * 8 + frag_col;  // fp32 column within a 32-column box
+            const u32 addr = smem_addr(staging) + row * 128 + (j / 4) * BOX_BYTES + (((col / 4) ^ (row & 7)) * 16) + (col % 4) * 4;
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(acc[4 * jj + 2 * r]),
+                         "f"(acc[4 * jj + 2 * r + 1]) : "memory");
+          }
+        }
+      } else {
+        stage_fragment_16bit(staging, acc, frag_row, frag_col, out_kind, [](int) { return make_float2(0.f, 0.f); });
+      }
+      fence_async_shared();
+      named_barrier(1 + consumer, 128);
+      if (tid == 0) {
+        const int box_cols = out_kind == 2 ? 32 : 64, row0 = p0 + consumer * 64;
+        for (int box = 0; box < 4; ++box) {
+          const int col0 = q0 + h * 128 + box * box_cols;
+          if (col0 >= Q || row0 >= P) continue;
+          if (add) tma_reduce_add_3d(&out_map, staging + box * BOX_BYTES, col0, row0, g);
+          else tma_store_3d(&out_map, staging + box * BOX_BYTES, col0, row0, g);
+        }
+        bulk_commit();
+      }
+    }
+  }
+  if (tid == 0) bulk_wait();
+}
+
+#define WGRAD_KERNEL(NAME, F16)                                                                            \
+  extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                          \
+      const __grid_constant__ TensorMap a_map,   /* a (M, P): bytes {2P, M}, box {128, 64} */              \
+      const __grid_constant__ TensorMap b_map,   /* b (M, Q): bytes {2Q, M}, box {128, 64} */              \
+      const __grid_constant__ TensorMap out_map, /* out (G, P, Q): {Q, P, G}, box {128 bytes, 64, 1} */    \
+      int out_kind, int accumulate, const unsigned char* __restrict__ mask, const int* __restrict__ offs,  \
+      int M, int P, int Q, int G, int num_stages) {                                                        \
+    grouped_mm_wgrad<F16>(a_map, b_map, out_map, out_kind, accumulate, mask, offs, M, P, Q, G, num_stages); \
+  }
+
+WGRAD_KERNEL(grouped_mm_wgrad_bf16, false)
+WGRAD_KERNEL(grouped_mm_wgrad_f16, true)
+
+// ---------------------------------------------------------------------------------------------
+// grouped_mm_{bf16,f16}[_nmajor]: forward and dgrad,
+//
+//   out[r, :] = a[r, :] . b[g] (+ bias[g])   for the rows r of group g; rows past offs[-1] get 0,
+//
+// a (M, K) K-major; b (G, K, N) K-major (the transposed view of an (G, N, K) weight: forward)
+// or N-major (_nmajor: the weight itself, for dgrad); out (M, N) bf16/fp16 (out_kind 0, 1)
+// with unit column stride and N a multiple of 8; bias (G, N) of any float type (bias_kind 0,
+// 1, 2; -1: none). compiled_moe/reference.py: grouped_mm is the oracle.
+//
+// Same block as the weight gradient: a producer warp, two consumer warpgroups of 64 rows of a
+// 128 x 256 tile, 64-deep k steps; persistent over the tile list that every block derives
+// from offs (build_schedule). A tile's 128 rows start at a row of its group; rows of the next
+// group that its last tile computes are not stored. The fragment goes to shared memory
+// (swizzled, conflict-free); 64 rows inside the group leave by TMA store, a group's last rows
+// by 16-byte stores of whole 512-byte rows that stop at the group's end.
+
+constexpr int BLOCK_M = 128, BLOCK_N = 256, BLOCK_K = 64;
+constexpr int MAX_GROUPS = 1024;  // the tile list lives in shared memory beside the ring
+
+__device__ __forceinline__ float load_float(const void* p, int kind, long long i) {
+  if (kind == 2) return ((const float*)p)[i];
+  const unsigned short h = ((const unsigned short*)p)[i];
+  float f;
+  if (kind == 0) asm("{ .reg .b32 t; mov.b32 t, {0, %1}; mov.b32 %0, t; }" : "=f"(f) : "h"(h));
+  else asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+template <bool F16, bool B_NMAJOR>
+__device__ __forceinline__ void grouped_mm_fwd(
+    const TensorMap& a_map, const TensorMap& b_map, const TensorMap& out_map, void* __restrict__ out,
+    int out_kind, long long out_stride_m,
+    const void* __restrict__ bias, int bias_kind, long long bias_stride_g, const int* __restrict__ offs, int M,
+    int N, int K, int G, int num_stages) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
+  unsigned char* out_stage = smem + num_stages * STAGE_BYTES;  // 2 consumers x 32 KB
+  u64* full = (u64*)(out_stage + 2 * OUT_STAGE_BYTES);
+  u64* empty = full + MAX_STAGES;
+  int* scratch = (int*)(empty + MAX_STAGES);
+  Schedule sched{scratch + 32, scratch + 32 + G, scratch + 32 + 2 * G};
+
+  const int num_n = (N + BLOCK_N - 1) / BLOCK_N;
+  const int num_kb = (K + BLOCK_K - 1) / BLOCK_K;
+  const int warpgroup = threadIdx.x / 128;
+  init_ring(full, empty, num_stages, 8);
+  build_schedule(offs, G, M, num_n, BLOCK_M, sched, scratch);  // ends with __syncthreads
+  const int num_tiles = sched.tile_end[G - 1];
+
+  if (warpgroup == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) {
+      asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&a_map) : "memory");
+      asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&b_map) : "memory");
+      int stage = 0;
+      u32 phase = 0;
+      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+        const Tile tile = locate(t, sched, G, BLOCK_M, BLOCK_N);
+        // N-major b: boxes wholly past N are not loaded (they feed only columns not stored).
+        const int b_boxes = B_NMAJOR ? min(4, (N - tile.col0 + CHUNK - 1) / CHUNK) : 4;
+        for (int kb = 0; kb < num_kb; ++kb) {
+          mbar_wait(&empty[stage], phase ^ 1);
+          unsigned char* dst = smem + stage * STAGE_BYTES;
+          mbar_expect_tx(&full[stage], (2 + b_boxes) * BOX_BYTES);
+          tma_load_2d(dst, &a_map, &full[stage], kb * BLOCK_K * 2, tile.row0);  // 128 rows x 128 bytes
+          if (B_NMAJOR) {
+            for (int j = 0; j < b_boxes; ++j)
+              tma_load_3d(dst + (2 + j) * BOX_BYTES, &b_map, &full[stage], (tile.col0 + j * CHUNK) * 2,
+                          kb * BLOCK_K, tile.group);
+          } else {  // 256 rows of n x 128 bytes of k
+            tma_load_3d(dst + 2 * BOX_BYTES, &b_map, &full[stage], kb * BLOCK_K * 2, tile.col0, tile.group);
+          }
+          if (++stage == num_stages) { stage = 0; phase ^= 1; }
+        }
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int consumer = warpgroup - 1;  // rows consumer * 64 .. + 64 of the tile
+  const int tid = threadIdx.x - 128 * warpgroup;
+  const int warp_in_group = tid / 32, lane = threadIdx.x & 31;
+  const int frag_row = warp_in_group * 16 + lane / 4, frag_col = (lane % 4) * 2;
+  unsigned char* staging = out_stage + consumer * OUT_STAGE_BYTES;
+  float acc[FRAG];
+  int stage = 0;
+  u32 phase = 0;
+
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    const Tile tile = locate(t, sched, G, BLOCK_M, BLOCK_N);
+#pragma unroll
+    for (int i = 0; i < FRAG; ++i) acc[i] = 0.f;
+    consume_steps(num_kb, stage, phase, num_stages, full, empty, smem, lane, [&](int, unsigned char* st) {
+      const unsigned char* a_tile = st + consumer * (64 * 128);
+      const unsigned char* b_tile = st + 2 * BOX_BYTES;
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < BLOCK_K / 16; ++k) {
+        if constexpr (B_NMAJOR)  // 16 rows of k = 2048 bytes of a box
+          wgmma_m64n256k16<F16, false, true>(acc, smem_desc(a_tile + 32 * k), smem_desc_mn(b_tile + 2048 * k, BOX_BYTES));
+        else  // 16 elements of k = 32 bytes of a 128-byte row
+          wgmma_m64n256k16<F16, false, false>(acc, smem_desc(a_tile + 32 * k), smem_desc(b_tile + 32 * k));
+      }
+    });
+    fence_registers<FRAG>(acc);
+
+    // Epilogue. The staging buffer is free once the previous tile's TMA store has read it and
+    // every thread has copied the previous tile out.
+    if (tid == 0) bulk_wait_read();
+    named_barrier(1 + consumer, 128);
+    stage_fragment_16bit(staging, acc, frag_row, frag_col, out_kind, [&](int j) {
+      float2 b = make_float2(0.f, 0.f);
+      const int col = tile.col0 + 8 * j + frag_col;
+      if (bias_kind >= 0) {
+        const long long i = tile.group * bias_stride_g + col;
+        if (col < N) b.x = load_float(bias, bias_kind, i);
+        if (col + 1 < N) b.y = load_float(bias, bias_kind, i + 1);
+      }
+      return b;
+    });
+    const int row0 = tile.row0 + consumer * 64;
+    if (row0 + 64 <= tile.row_end) {
+      // All 64 rows are the group's: one thread stores them by TMA (clipped at N), and the
+      // store runs on under the next tile's wgmma.
+      fence_async_shared();
+      named_barrier(1 + consumer, 128);
+      if (tid == 0) {
+        for (int box = 0; box < 4; ++box)
+          if (tile.col0 + box * CHUNK < N)
+            tma_store_3d(&out_map, staging + box * BOX_BYTES, tile.col0 + box * CHUNK, row0, 0);
+        bulk_commit();
+      }
+    } else {
+      // The group ends inside these rows: warp w copies rows w, w + 4, ... up to the end, each
+      // lane 16 bytes (8 columns) of the 512-byte row.
+      named_barrier(1 + consumer, 128);
+      const int col = tile.col0 + 8 * lane;
+#pragma unroll 4
+      for (int row = warp_in_group; row < 64; row += 4) {
+        const int r = row0 + row;
+        uint4 v;
+        const u32 addr = smem_addr(staging) + row * 128 + (lane / 8) * BOX_BYTES + (((lane % 8) ^ (row & 7)) * 16);
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+        if (r < tile.row_end && col < N) *(uint4*)((unsigned short*)out + (long long)r * out_stride_m + col) = v;
+      }
+    }
+  }
+  if (tid == 0) bulk_wait();
+
+  // Rows past the last group are defined as 0.
+  const int rows_end = sched.row_end[G - 1];
+  const int chunks = N / 8;
+  const long long tail = (long long)(M - rows_end) * chunks;
+  for (long long i = (long long)blockIdx.x * 256 + (threadIdx.x - 128); i < tail; i += (long long)gridDim.x * 256) {
+    const long long r = rows_end + i / chunks, c = (i % chunks) * 8;
+    *(uint4*)((unsigned short*)out + r * out_stride_m + c) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+#define FWD_KERNEL(NAME, F16, B_NMAJOR)                                                                    \
+  extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                          \
+      const __grid_constant__ TensorMap a_map, /* a (M, K): bytes {2K, M}, box {128, 128} */               \
+      const __grid_constant__ TensorMap b_map, /* K-major: bytes {2K, N, G}, box {128, 256, 1};             \
+                                                  N-major: bytes {2N, K, G}, box {128, 64, 1} */           \
+      const __grid_constant__ TensorMap out_map, /* out (M, N): {N, M, 1}, box {64, 64, 1} */              \
+      void* __restrict__ out, int out_kind, long long out_stride_m, const void* __restrict__ bias,         \
+      int bias_kind, long long bias_stride_g, const int* __restrict__ offs, int M, int N, int K, int G,    \
+      int num_stages) {                                                                                    \
+    grouped_mm_fwd<F16, B_NMAJOR>(a_map, b_map, out_map, out, out_kind, out_stride_m, bias, bias_kind,    \
+                                  bias_stride_g, offs, M, N, K, G, num_stages);                           \
+  }
+
+FWD_KERNEL(grouped_mm_bf16, false, false)
+FWD_KERNEL(grouped_mm_f16, true, false)
+FWD_KERNEL(grouped_mm_bf16_nmajor, false, true)
+FWD_KERNEL(grouped_mm_f16_nmajor, true, true)

@@ -1,0 +1,77 @@
+"""CPU tier of the Hopper CUDA kernels (csrc/*.cu): ptxas keeps their wgmma asynchronous and
+their registers unspilled, and their launch limits fit a Hopper block. Compiled by NVRTC for
+sm_90a without a GPU; the SASS is read with Triton's cuobjdump."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+native = pytest.importorskip("compiled_moe.native")
+pytest.importorskip("cuda.core")
+
+# Kernel -> the wgmma its SASS must hold (at least once per pipelined step of each loop).
+KERNELS = {
+    "fp8_grouped_mm": {"fp8_blockwise_grouped_mm": "QGMMA.64x128x32.F32.E4M3.E4M3"},
+    "grouped_mm": {
+        "grouped_mm_bf16": "HGMMA.64x256x16.F32.BF16",
+        "grouped_mm_bf16_nmajor": "HGMMA.64x256x16.F32.BF16",
+        "grouped_mm_f16": "HGMMA.64x256x16.F32",
+        "grouped_mm_f16_nmajor": "HGMMA.64x256x16.F32",
+        "grouped_mm_wgrad_bf16": "HGMMA.64x256x16.F32.BF16",
+        "grouped_mm_wgrad_f16": "HGMMA.64x256x16.F32",
+    },
+}
+
+
+def _sass_by_function(cubin_path: str) -> dict[str, str]:
+    import triton
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("Triton's cuobjdump is not installed")
+    sass = subprocess.run([cuobjdump, "--dump-sass", cubin_path], capture_output=True, text=True,
+                          check=True).stdout
+    parts = re.split(r"\n\s*Function : (\w+)", sass)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+@pytest.mark.parametrize("source", sorted(KERNELS))
+def test_kernels_compile_without_spills_or_wgmma_serialization(source, tmp_path):
+    """Both break silently: when a non-wgmma instruction or (for some ptxas versions) a
+    divergent branch sits inside a wgmma's flight, ptxas waits for every wgmma to finish (each
+    wait in the SASS becomes `WARPGROUP.DEPBAR.LE gsb0, 0x0`; the FP8 kernel measured 1.1-1.2x
+    slower on the H200), and spills land in the main loop. A wgmma accumulator indexed with a
+    value ptxas cannot fold puts it on the stack, which serializes too."""
+    path = native.csrc_dir() / f"{source}.cu"
+    arch = native.source_arch(path, "sm_90")
+    log = native.ptxas_report(path, arch)
+    assert "serialized" not in log, log
+    for kernel in KERNELS[source]:
+        assert f"Compiling entry function '{kernel}'" in log, log
+    assert log.count("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads") == len(KERNELS[source]), log
+    cubin = tmp_path / f"{source}.cubin"
+    cubin.write_bytes(native.compile_source(path, arch))
+    functions = _sass_by_function(str(cubin))
+    for kernel, wgmma in KERNELS[source].items():
+        sass = functions[kernel]
+        assert sass.count(wgmma) >= 4, kernel
+        # Each steady-state step waits with one step still in flight.
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass, kernel
+
+
+def test_grouped_mm_cuda_kernel_limits():
+    """Shared memory at the most groups the forward kernel takes fits a Hopper block (227 KB),
+    and CPU tensors never reach the CUDA kernels."""
+    from compiled_moe.kernels import configs
+    from compiled_moe.kernels import grouped_mm_sm90 as sm90
+    stages = configs.grouped_mm_sm90_config().num_stages
+    assert sm90._shared_bytes(stages, sm90.MAX_GROUPS) <= 227 * 1024
+    assert sm90._shared_bytes(configs.grouped_mm_wgrad_sm90_config().num_stages) <= 227 * 1024
+    a = torch.zeros(256, 512, dtype=torch.bfloat16)
+    b = torch.zeros(4, 256, 512, dtype=torch.bfloat16).mT
+    assert not sm90.supported(a, b, None, torch.bfloat16)
+    assert not sm90.wgrad_supported(a, a, torch.bfloat16)
