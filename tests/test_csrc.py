@@ -75,3 +75,50 @@ def test_grouped_mm_cuda_kernel_limits():
     b = torch.zeros(4, 256, 512, dtype=torch.bfloat16).mT
     assert not sm90.supported(a, b, None, torch.bfloat16)
     assert not sm90.wgrad_supported(a, a, torch.bfloat16)
+
+
+def test_grouped_mm_cuda_dispatch_conditions(monkeypatch):
+    """Which calls the Hopper kernels take (fake CUDA tensors, the device check forced on):
+    everything else must go to the Triton kernels, so that no stride or dtype the kernels do
+    not handle reaches them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compiled_moe.kernels import grouped_mm_sm90 as sm90
+    monkeypatch.setattr(sm90, "_device_ok", lambda index: True)
+    bf16, f32 = torch.bfloat16, torch.float32
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        def t(shape, stride=None, dtype=bf16):
+            if stride is None:  # contiguous
+                stride = [1]
+                for size in reversed(shape[1:]):
+                    stride.insert(0, stride[0] * size)
+            return torch.empty_strided(shape, stride, dtype=dtype, device="cuda")
+
+        G, M, K, N = 8, 512, 256, 384
+        a = t((M, K))
+        b_k = t((G, K, N), (N * K, 1, K))  # the (G, K, N) view of a (G, N, K) weight: forward
+        b_n = t((G, K, N))                 # (G, K, N) contiguous, as a weight is for dgrad
+        assert sm90.supported(a, b_k, None, bf16) and sm90.supported(a, b_n, t((G, N)), bf16)
+        assert sm90.supported(t((M, K), dtype=torch.float16), t((G, K, N), dtype=torch.float16),
+                              None, torch.float16)
+        assert not sm90.supported(a, b_k, None, f32)                             # fp32 output
+        assert not sm90.supported(t((M, K), dtype=f32), t((G, K, N), dtype=f32), None, f32)
+        assert not sm90.supported(a, t((G, K, 197), (197 * K, 1, K)), None, bf16)  # N = 197
+        assert not sm90.supported(t((M, 100)), t((G, 100, N)), None, bf16)       # 200-byte rows
+        assert not sm90.supported(t((M, K), (1, M)), b_k, None, bf16)            # a not K-major
+        assert not sm90.supported(a, t((G, K, N), (N * K * 2, 2 * N, 2)), None, bf16)  # no unit stride
+        assert not sm90.supported(a, t((sm90.MAX_GROUPS + 1, K, N)), None, bf16)
+        assert not sm90.supported(a, b_k, t((G, N), (1, G)), bf16)               # bias strided
+
+        x, dy = t((M, K)), t((M, N))
+        assert sm90.wgrad_supported(dy, x, bf16)
+        assert sm90.wgrad_supported(dy, x, f32, t((G, N, K), dtype=f32))
+        assert sm90.wgrad_supported(dy, x, f32, t((G, N, K), (N * K, 1, N), dtype=f32))  # transposed
+        assert not sm90.wgrad_supported(t((M, N), (1, M)), x, bf16)             # not token-major
+        assert not sm90.wgrad_supported(dy, t((M, 100)), bf16)                   # 200-byte rows
+        assert not sm90.wgrad_supported(t((M, 197)), x, bf16)                    # 394-byte rows
+        assert not sm90.wgrad_supported(dy, x, f32, t((G, N, K), (N * K * 2, 2 * K, 2), dtype=f32))
+        assert not sm90.wgrad_supported(t((M, N), dtype=f32), t((M, K), dtype=f32), f32)
+        monkeypatch.setenv("COMPILED_MOE_GEMM", "triton")
+        assert not sm90.supported(a, b_k, None, bf16)
+        assert not sm90.wgrad_supported(dy, x, bf16)
