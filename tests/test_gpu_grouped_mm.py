@@ -247,7 +247,8 @@ def test_cuda_kernels_fall_back():
     shifted.copy_(x)
     assert shifted.data_ptr() % 16 != 0
     want = loop_grouped_mm(x, w.mT, offs)
-    for got in (cm.grouped_mm(shifted, w.mT, offs), cm.grouped_mm(x, w.mT, offs, out_dtype=torch.float32)):
+    for got in (cm.grouped_mm(shifted, w.mT, offs),
+                cm.grouped_mm(x, w.mT, offs, out_dtype=torch.float32)):
         torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
     w_odd = w[:, :197]  # N = 197
     torch.testing.assert_close(cm.grouped_mm(x, w_odd.mT, offs).double(),
@@ -268,4 +269,5 @@ def test_cuda_ops_opcheck():
     torch.library.opcheck(ops.grouped_mm_sm90.default, (a, w.transpose(1, 2), offs, bias, None))
     torch.library.opcheck(ops.grouped_mm_wgrad_sm90.default, (a, d, offs, None))
     torch.library.opcheck(ops.grouped_mm_wgrad_accumulate_sm90_.default,
-                          (torch.zeros(G, K, N, device=DEV), a, d, offs, torch.ones(G, dtype=torch.bool, device=DEV)))
+                          (torch.zeros(G, K, N, device=DEV), a, d, offs,
+                           torch.ones(G, dtype=torch.bool, device=DEV)))

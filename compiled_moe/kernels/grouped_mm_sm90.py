@@ -110,7 +110,8 @@ def _out_map(out: torch.Tensor) -> native.TensorMap:
                              (128 // es, 64, 1), _OUT_MAP_TYPES[out.dtype])
 
 
-def grouped_mm_wgrad(a, grad_out, offs, out, accumulate: bool, accumulate_mask, num_stages=None) -> None:
+def grouped_mm_wgrad(a, grad_out, offs, out, accumulate: bool, accumulate_mask,
+                     num_stages=None) -> None:
     """out[g] (K, N) (+)= a_g^T @ grad_out_g. The caller checked ``wgrad_supported`` and
     ``aligned``; accumulate needs fp32 out."""
     if out.stride(2) != 1:  # a (G, N, K) buffer seen as (G, K, N): out^T[g] = grad_out_g^T @ a_g
@@ -129,7 +130,8 @@ def grouped_mm_wgrad(a, grad_out, offs, out, accumulate: bool, accumulate_mask, 
         native.kernel("grouped_mm", _KERNELS[a.dtype], dev),
         min(_num_sms(dev), num_tiles), _THREADS, _shared_bytes(num_stages),
         _map(a), _map(grad_out), _out_map(out),
-        i32(_OUT_KINDS[out.dtype]), i32(int(accumulate)), accumulate_mask if accumulate_mask is not None else native.int64(0),
+        i32(_OUT_KINDS[out.dtype]), i32(int(accumulate)),
+        accumulate_mask if accumulate_mask is not None else i64(0),  # null: every group adds
         offs.contiguous(), i32(M), i32(P), i32(Q), i32(G), i32(num_stages),
     )
 
@@ -140,21 +142,25 @@ def grouped_mm(a, b, offs, bias, out, num_stages=None) -> None:
     M, K = a.shape
     G, _, N = b.shape
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    # Operands as bytes (2 per element): a in 128-row x 128-byte boxes; b in 64 k-rows x 128 bytes
+    # of n (N-major) or 256 n-rows x 128 bytes of k (K-major); out in 64 x 64-element boxes.
     if _b_n_major(b):  # dgrad: b is the (G, N_out, K_in) weight itself
-        b_map = native.tensor_map(b.data_ptr(), (N * 2, K, G), (b.stride(1) * 2, b.stride(0) * 2), (128, 64, 1))
+        b_map = native.tensor_map(b.data_ptr(), (N * 2, K, G), (b.stride(1) * 2, b.stride(0) * 2),
+                                  (128, 64, 1))
         name = _FWD_KERNELS[a.dtype] + "_nmajor"
     else:  # forward: b is the transposed view of the weight
-        b_map = native.tensor_map(b.data_ptr(), (K * 2, N, G), (b.stride(2) * 2, b.stride(0) * 2), (128, 256, 1))
+        b_map = native.tensor_map(b.data_ptr(), (K * 2, N, G), (b.stride(2) * 2, b.stride(0) * 2),
+                                  (128, 256, 1))
         name = _FWD_KERNELS[a.dtype]
+    a_map = native.tensor_map(a.data_ptr(), (K * 2, M), (a.stride(0) * 2,), (128, 128))
+    out_map = native.tensor_map(out.data_ptr(), (N, M, 1), (out.stride(0) * 2, out.stride(0) * 2 * M),
+                                (64, 64, 1), _OUT_MAP_TYPES[out.dtype])
     num_stages = min(num_stages or grouped_mm_sm90_config().num_stages, _MAX_STAGES)
     i32, i64 = native.int32, native.int64
     native.launch_driver(
         native.kernel("grouped_mm", name, dev),
         _num_sms(dev), _THREADS, _shared_bytes(num_stages, G),
-        native.tensor_map(a.data_ptr(), (K * 2, M), (a.stride(0) * 2,), (128, 128)), b_map,
-        native.tensor_map(out.data_ptr(), (N, M, 1), (out.stride(0) * 2, out.stride(0) * 2 * M), (64, 64, 1),
-                          _OUT_MAP_TYPES[out.dtype]),
-        out, i32(_OUT_KINDS[out.dtype]), i64(out.stride(0)),
+        a_map, b_map, out_map, out, i32(_OUT_KINDS[out.dtype]), i64(out.stride(0)),
         bias if bias is not None else i64(0), i32(_OUT_KINDS[bias.dtype] if bias is not None else -1),
         i64(bias.stride(0) if bias is not None else 0),
         offs.contiguous(), i32(M), i32(N), i32(K), i32(G), i32(num_stages),
