@@ -117,6 +117,21 @@ def source_arch(path: Path, arch: str) -> str:
     return f"{arch}a" if path.stem in _ARCH_SPECIFIC else arch
 
 
+TMA_ALIGN = 16  # TMA: base addresses and strides, in bytes
+
+
+@functools.lru_cache(maxsize=None)
+def hopper(device_index: int) -> bool:
+    """The device runs the sm_90a kernels (an H100/H200) and NVRTC is there to build them."""
+    return torch.cuda.get_device_capability(device_index) == (9, 0) and available()
+
+
+def tma_aligned(*tensors) -> bool:
+    """Every tensor's address suits a TMA descriptor (checked at launch: fake tensors under
+    torch.compile have no address)."""
+    return all(t.data_ptr() % TMA_ALIGN == 0 for t in tensors)
+
+
 @functools.lru_cache(maxsize=None)
 def _module(name: str, device_index: int):
     from cuda.core import Device, ObjectCode

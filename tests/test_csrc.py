@@ -85,7 +85,7 @@ def test_grouped_mm_cuda_dispatch_conditions(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from compiled_moe.kernels import grouped_mm_sm90 as sm90
-    monkeypatch.setattr(sm90, "_device_ok", lambda index: True)
+    monkeypatch.setattr(sm90, "hopper", lambda index: True)
     bf16, f32 = torch.bfloat16, torch.float32
     with FakeTensorMode(allow_non_fake_inputs=True):
         def t(shape, stride=None, dtype=bf16):

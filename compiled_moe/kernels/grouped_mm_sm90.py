@@ -7,24 +7,24 @@ launch); everything else runs the Triton kernels.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
 from compiled_moe import native
+from compiled_moe.native import TMA_ALIGN as _ALIGN, hopper
+from compiled_moe.native import tma_aligned as aligned  # noqa: F401 (the ops' launch check)
 from compiled_moe.kernels.configs import grouped_mm_sm90_config, grouped_mm_wgrad_sm90_config
 from compiled_moe.kernels.grouped_mm import _num_sms
 
 _THREADS = 384
-_ALIGN = 16  # TMA: base addresses and strides in bytes
 _BOX_BYTES = 64 * 128  # one 64-row x 64-element box of a 2-byte operand
 _STAGE_BYTES = (2 + 4) * _BOX_BYTES  # 128 columns of a, 256 of b
 _OUT_STAGE_BYTES = 2 * 64 * 256 * 2  # the two consumers' output tiles, staged for TMA stores
 _MAX_STAGES = 3  # what fits a Hopper block's 227 KB beside the output staging
 _OUT_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _OUT_MAP_TYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "FLOAT16", torch.float32: "FLOAT32"}
-_KERNELS = {torch.bfloat16: "grouped_mm_wgrad_bf16", torch.float16: "grouped_mm_wgrad_f16"}
+_WGRAD_KERNELS = {torch.bfloat16: "grouped_mm_wgrad_bf16", torch.float16: "grouped_mm_wgrad_f16"}
 _FWD_KERNELS = {torch.bfloat16: "grouped_mm_bf16", torch.float16: "grouped_mm_f16"}
 MAX_GROUPS = 1024  # forward: the tile list lives in shared memory beside the ring
 
@@ -32,11 +32,6 @@ MAX_GROUPS = 1024  # forward: the tile list lives in shared memory beside the ri
 def enabled() -> bool:
     """COMPILED_MOE_GEMM=triton turns the CUDA kernels off (for comparisons)."""
     return os.environ.get("COMPILED_MOE_GEMM", "cuda") != "triton"
-
-
-@functools.lru_cache(maxsize=None)
-def _device_ok(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0) and native.available()
 
 
 def _token_major(t: torch.Tensor) -> bool:
@@ -64,7 +59,7 @@ def supported(a: torch.Tensor, b: torch.Tensor, bias, out_dtype: torch.dtype) ->
     """Forward/dgrad into a fresh (M, N) output, static conditions (known while tracing):
     device, dtypes, strides, group count; N a multiple of 8 (16-byte output stores).
     Addresses are checked by ``aligned`` at launch."""
-    if not enabled() or a.device.type != "cuda" or not _device_ok(a.device.index or 0):
+    if not enabled() or a.device.type != "cuda" or not hopper(a.device.index or 0):
         return False
     (_, k), (g, _, n) = a.shape, b.shape
     return (a.dtype in _FWD_KERNELS and out_dtype in _FWD_KERNELS and 0 < g <= MAX_GROUPS
@@ -78,15 +73,11 @@ def wgrad_supported(a: torch.Tensor, grad_out: torch.Tensor, out_dtype: torch.dt
                     out: torch.Tensor | None = None) -> bool:
     """Weight gradient into ``out`` (an fp32 main_grad, any layout) or, without it, a fresh
     contiguous (G, K, N) output: static conditions. Addresses are checked by ``aligned``."""
-    if not enabled() or a.device.type != "cuda" or not _device_ok(a.device.index or 0):
+    if not enabled() or a.device.type != "cuda" or not hopper(a.device.index or 0):
         return False
     out_ok = (grad_out.shape[1] * out_dtype.itemsize) % _ALIGN == 0 if out is None else _tma_out(out)
-    return (a.dtype in _KERNELS and out_dtype in _OUT_KINDS and _token_major(a)
+    return (a.dtype in _WGRAD_KERNELS and out_dtype in _OUT_KINDS and _token_major(a)
             and _token_major(grad_out) and out_ok)
-
-
-def aligned(*tensors) -> bool:
-    return all(t.data_ptr() % _ALIGN == 0 for t in tensors)
 
 
 def _shared_bytes(num_stages: int, num_groups: int = 0) -> int:
@@ -127,7 +118,7 @@ def grouped_mm_wgrad(a, grad_out, offs, out, accumulate: bool, accumulate_mask,
     num_tiles = G * -(-P // 128) * -(-Q // 256)
     i32, i64 = native.int32, native.int64
     native.launch_driver(
-        native.kernel("grouped_mm", _KERNELS[a.dtype], dev),
+        native.kernel("grouped_mm", _WGRAD_KERNELS[a.dtype], dev),
         min(_num_sms(dev), num_tiles), _THREADS, _shared_bytes(num_stages),
         _map(a), _map(grad_out), _out_map(out),
         i32(_OUT_KINDS[out.dtype]), i32(int(accumulate)),

@@ -6,17 +6,17 @@ operands meet TMA's alignment rules (``supported``); everything else runs the Tr
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
 from compiled_moe import native
+from compiled_moe.native import TMA_ALIGN as _ALIGN, hopper
+from compiled_moe.native import tma_aligned as aligned  # noqa: F401 (the ops' launch check)
 from compiled_moe.kernels.configs import fp8_blockwise_sm90_config, size_hint
 from compiled_moe.kernels.grouped_mm import _num_sms
 
 _THREADS = 384
-_ALIGN = 16  # TMA: base addresses and strides in bytes
 MAX_GROUPS = 2048  # the tile list lives in shared memory beside the ring
 _OUT_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -26,17 +26,12 @@ def enabled() -> bool:
     return os.environ.get("COMPILED_MOE_FP8_GEMM", "cuda") != "triton"
 
 
-@functools.lru_cache(maxsize=None)
-def _device_ok(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0) and native.available()
-
-
 def supported(a, b, recipe: str) -> bool:
     """Static conditions (known while tracing): the recipe, device, group count and strides.
     Addresses are checked at launch, where the Triton kernel takes over if one is unaligned."""
     if recipe != "fp8_blockwise" or not enabled():
         return False
-    if a.device.type != "cuda" or not _device_ok(a.device.index or 0):
+    if a.device.type != "cuda" or not hopper(a.device.index or 0):
         return False
     k = a.shape[1]
     return (k % _ALIGN == 0 and b.shape[0] <= MAX_GROUPS
@@ -47,10 +42,6 @@ def supported(a, b, recipe: str) -> bool:
 def _shared_bytes(num_groups: int, num_stages: int) -> int:
     # ring of 32 KB stages + 1024 alignment slack + 2 x 8 mbarriers + 32 scan ints + 3 ints per group
     return num_stages * 2 * 128 * 128 + 1024 + 2 * 8 * 8 + 4 * (32 + 3 * num_groups)
-
-
-def aligned(*tensors) -> bool:
-    return all(t.data_ptr() % _ALIGN == 0 for t in tensors)
 
 
 def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, num_stages=None) -> None:
