@@ -362,3 +362,28 @@ def test_wgrad_bad_inputs():
     with pytest.raises(ValueError, match="accumulate_mask must have shape"):
         cm.grouped_mm_wgrad_accumulate_(torch.zeros(3, 8, 5), a, torch.randn(10, 5), offs,
                                         accumulate_mask=torch.ones(2, dtype=torch.bool))
+
+
+def test_cuda_kernel_ops_check_their_inputs():
+    """The Hopper kernels' custom ops are reachable through torch.ops, so they check their
+    inputs like the ops that call them (their fakes run the checks here, on meta tensors)."""
+    ops = torch.ops.compiled_moe
+    a, b, offs = (t.to("meta") for t in _good())
+    d = torch.empty(10, 5, device="meta")
+    assert ops.grouped_mm_sm90(a, b, offs).shape == (10, 5)
+    assert ops.grouped_mm_wgrad_sm90(a, d, offs).shape == (3, 8, 5)
+    with pytest.raises(ValueError, match="K must match"):
+        ops.grouped_mm_sm90(a[:, :7], b, offs)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        ops.grouped_mm_sm90(a, b, offs, torch.empty(3, 4, device="meta"))
+    with pytest.raises(TypeError, match="b has dtype"):
+        ops.grouped_mm_sm90(a, b.double(), offs)
+    with pytest.raises(ValueError, match="rows"):
+        ops.grouped_mm_wgrad_sm90(a, d[:9], offs)
+    with pytest.raises(TypeError, match="offs must be int32"):
+        ops.grouped_mm_wgrad_sm90(a, d, offs.long())
+    with pytest.raises(ValueError, match="main_grad must have shape"):
+        ops.grouped_mm_wgrad_accumulate_sm90_(torch.empty(3, 5, 8, device="meta"), a, d, offs)
+    with pytest.raises(ValueError, match="accumulate_mask must have shape"):
+        ops.grouped_mm_wgrad_accumulate_sm90_(torch.empty(3, 8, 5, device="meta"), a, d, offs,
+                                              torch.empty(2, dtype=torch.bool, device="meta"))
