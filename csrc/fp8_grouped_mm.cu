@@ -29,25 +29,37 @@ constexpr int FRAG = BLOCK_N / 2;  // fp32 accumulators per consumer thread
 constexpr int MAX_STAGES = 8;
 constexpr int THREADS = 384;
 
-// d (64 x 128 fp32, this warpgroup's fragment) = (accumulate ? d : 0) + a (64 x 32) . b (128 x 32)^T
+// d (64 x 128 fp32, this warpgroup's fragment) = (accumulate ? d : 0) + a (64 x 32) . b (128 x 32)^T.
+// C: the fragment's constraint, "+f" (read and written) or "=f" (written only: with scale-d 0
+// the old values are not read, and telling the compiler so frees their registers before the
+// first wgmma of a product).
+#define WGMMA_M64N128K32_E4M3(C, SCALE_D, ...)                                                             \
+  asm volatile(                                                                                          \
+      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"                                                      \
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "                                           \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                          \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                 \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                 \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "                \
+      "%64, %65, p, 1, 1;\n}\n"                                                                          \
+      : C(d[0]), C(d[1]), C(d[2]), C(d[3]), C(d[4]), C(d[5]), C(d[6]), C(d[7]), C(d[8]), C(d[9]),         \
+        C(d[10]), C(d[11]), C(d[12]), C(d[13]), C(d[14]), C(d[15]), C(d[16]), C(d[17]), C(d[18]),          \
+        C(d[19]), C(d[20]), C(d[21]), C(d[22]), C(d[23]), C(d[24]), C(d[25]), C(d[26]), C(d[27]),          \
+        C(d[28]), C(d[29]), C(d[30]), C(d[31]), C(d[32]), C(d[33]), C(d[34]), C(d[35]), C(d[36]),          \
+        C(d[37]), C(d[38]), C(d[39]), C(d[40]), C(d[41]), C(d[42]), C(d[43]), C(d[44]), C(d[45]),          \
+        C(d[46]), C(d[47]), C(d[48]), C(d[49]), C(d[50]), C(d[51]), C(d[52]), C(d[53]), C(d[54]),          \
+        C(d[55]), C(d[56]), C(d[57]), C(d[58]), C(d[59]), C(d[60]), C(d[61]), C(d[62]), C(d[63])           \
+      : "l"(desc_a), "l"(desc_b), "r"(SCALE_D))
+#define READ_WRITE(x) "+f"(x)
+#define WRITE_ONLY(x) "=f"(x)
+
 __device__ __forceinline__ void wgmma_m64n128k32(float* d, u64 desc_a, u64 desc_b, int accumulate) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  WGMMA_M64N128K32_E4M3(READ_WRITE, accumulate);
+}
+
+// The first wgmma of a product: d = a . b^T, without reading d.
+__device__ __forceinline__ void wgmma_m64n128k32_first(float* d, u64 desc_a, u64 desc_b) {
+  WGMMA_M64N128K32_E4M3(WRITE_ONLY, 0);
 }
 
 // The scales of one k step for a consumer thread's two rows (r0, r0 + 8): a's times b's.
@@ -201,4 +213,247 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
     const long long r = rows_end + i / N, c = i % N;
     store_one(out, out_kind, r * out_stride_m + c, 0.f);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// fp8_blockwise_grouped_mm_wgrad: the weight gradient from columnwise data,
+//
+//   out[g] (P x Q) = sum over the 128-row chunks c of group g (from its first row) of
+//                    (a_t[:, c] . d_t[:, c]^T) * a_scale[:, slot] (x) d_scale[:, slot],
+//
+// slot = the group's first columnwise scale slot + c (compiled_moe/reference.py:
+// fp8_column_slots, scaled_grouped_mm_wgrad). a_t (P, M) and d_t (Q, M) are grouped_quantize's
+// columnwise e4m3 data: K-major along the rows (tokens) that the product reduces, as Hopper's
+// FP8 tensor cores read. out (G, P, Q) bf16, fp16 or fp32 with unit column stride.
+//
+// Why CUDA: the Triton kernel waits for every chunk's wgmma before scaling it, and stored its
+// tile from registers; it ran at 0.39-0.64x of torch._grouped_mm in bf16, so FP8 training
+// lost time in every weight gradient. This is the forward kernel's block (producer warp, two
+// consumer warpgroups of 64 rows, two buffers of partial products) walking (group, P tile,
+// Q tile) tiles, with a chunk's scales per row of a_t and per row of d_t, the chunk that
+// passes its group's end cut in shared memory, and the bf16 weight gradient's TMA-store
+// epilogue (the tile leaves under the next tile's wgmma). Group starts need no alignment:
+// TMA boxes start at any row.
+
+constexpr int WGRAD_BAND_P = 8;  // tile order: P tiles vary fastest within bands of 8
+
+// Where `cut`, zero the bytes of columns >= valid (0 < valid < 128) in row `row` of a 128 x
+// 128-byte tile stored with the 128-byte swizzle (16-byte chunk c of row r sits at chunk
+// c ^ (r % 8)): whole chunks by stores of zeros, the chunk the end falls inside (only when the
+// group's end is not a multiple of 16 rows) by a masked read-modify-write. Predicated, not
+// branched: it runs while a wgmma is in flight.
+__device__ __forceinline__ void cut_row(unsigned char* tile, int row, int valid, bool cut) {
+  const u32 base = smem_addr(tile + row * 128);
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %1, 0;\n @p st.shared.v4.b32 [%0], {0, 0, 0, 0};\n}\n"
+                 ::"r"(base + ((c ^ (row & 7)) * 16)), "r"((int)(cut && 16 * c >= valid)) : "memory");
+  }
+  // Word w of the partial chunk keeps its bytes below keep = (valid % 16) - 4w, clamped to
+  // [0, 4]: mask ~(~0 << 8 keep), where PTX clamps a shift of 32 to give 0.
+  const int c = valid / 16;
+  asm volatile(
+      "{\n .reg .pred p;\n .reg .b32 x, y, z, w, k, m;\n setp.ne.b32 p, %2, 0;\n"
+      " @p ld.shared.v4.b32 {x, y, z, w}, [%0];\n"
+      " min.s32 k, %1, 4;\n max.s32 k, k, 0;\n shl.b32 k, k, 3;\n shl.b32 m, -1, k;\n not.b32 m, m;\n and.b32 x, x, m;\n"
+      " sub.s32 k, %1, 4;\n min.s32 k, k, 4;\n max.s32 k, k, 0;\n shl.b32 k, k, 3;\n shl.b32 m, -1, k;\n not.b32 m, m;\n and.b32 y, y, m;\n"
+      " sub.s32 k, %1, 8;\n min.s32 k, k, 4;\n max.s32 k, k, 0;\n shl.b32 k, k, 3;\n shl.b32 m, -1, k;\n not.b32 m, m;\n and.b32 z, z, m;\n"
+      " sub.s32 k, %1, 12;\n min.s32 k, k, 4;\n max.s32 k, k, 0;\n shl.b32 k, k, 3;\n shl.b32 m, -1, k;\n not.b32 m, m;\n and.b32 w, w, m;\n"
+      " @p st.shared.v4.b32 [%0], {x, y, z, w};\n}\n"
+      ::"r"(base + (((c & 7) ^ (row & 7)) * 16)), "r"(valid % 16), "r"((int)(cut && valid % 16 != 0))
+      : "memory");
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_mm_wgrad(
+    const __grid_constant__ TensorMap a_map,    // a_t (P, M) e4m3: dims {M, P}, box {128, 128}
+    const __grid_constant__ TensorMap d_map,    // d_t (Q, M) e4m3: dims {M, Q}, box {128, 128}
+    const __grid_constant__ TensorMap out_map,  // out (G, P, Q): dims {Q, P, G}, box {128 bytes, 64, 1}
+    const float* __restrict__ a_scale, long long a_scale_stride_p, int a_scale_stride_s,
+    const float* __restrict__ d_scale, long long d_scale_stride_q, int d_scale_stride_s,
+    int out_kind, const int* __restrict__ offs, int M, int P, int Q, int G, int num_stages) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
+  // A consumer's 64 x 128 output: 2 boxes of 64 columns (2-byte outputs) or 4 of 32 (fp32).
+  const int staging_bytes = out_kind == 2 ? 4 * STAGING_BOX_BYTES : 2 * STAGING_BOX_BYTES;
+  unsigned char* out_stage = smem + num_stages * STAGE_BYTES;
+  u64* full = (u64*)(out_stage + 2 * staging_bytes);
+  u64* empty = full + MAX_STAGES;
+  float* step_scales = (float*)(empty + MAX_STAGES);  // [3][256]: a_t's 128 rows, d_t's 128 rows
+  int* scratch = (int*)(step_scales + 3 * 256);
+  // The groups' rows, and (as tile_end, chunks of 128 rows) the end of their scale slots.
+  Schedule groups{scratch + 32, scratch + 32 + G, scratch + 32 + 2 * G};
+
+  const int num_p = (P + BLOCK_M - 1) / BLOCK_M, num_q = (Q + BLOCK_N - 1) / BLOCK_N;
+  const int per_group = num_p * num_q, num_tiles = G * per_group;
+  const int warpgroup = threadIdx.x / 128;
+  init_ring(full, empty, num_stages, 8);
+  build_schedule(offs, G, M, 1, BLOCK_K, groups, scratch);  // ends with __syncthreads
+  // A TMA box starts at a 16-byte multiple along the rows (a misaligned start is an illegal
+  // instruction). If any group starts elsewhere, this kernel does nothing and the Triton
+  // kernel launched after it (only_unaligned, the same test on offs) computes everything.
+  int misaligned = 0;
+  for (int g = 1 + threadIdx.x; g < G; g += THREADS) misaligned |= groups.row_start[g] % 16;
+  if (__syncthreads_or(misaligned)) return;
+
+  // Tile t: group t / per_group; within it, bands of WGRAD_BAND_P P tiles, P varying fastest.
+  auto tile_of = [&](int t, int& g, int& p0, int& q0) {
+    g = t / per_group;
+    const int local = t - g * per_group;
+    const int band = local / (WGRAD_BAND_P * num_q), first = band * WGRAD_BAND_P;
+    const int band_p = min(num_p - first, WGRAD_BAND_P), in_band = local - band * WGRAD_BAND_P * num_q;
+    p0 = (first + in_band % band_p) * BLOCK_M;
+    q0 = (in_band / band_p) * BLOCK_N;
+  };
+
+  if (warpgroup == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) {
+      asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&a_map) : "memory");
+      asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&d_map) : "memory");
+      int stage = 0;
+      u32 phase = 0;
+      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+        int g, p0, q0;
+        tile_of(t, g, p0, q0);
+        for (int m0 = groups.row_start[g]; m0 < groups.row_end[g]; m0 += BLOCK_K) {
+          mbar_wait(&empty[stage], phase ^ 1);
+          unsigned char* dst = smem + stage * STAGE_BYTES;
+          mbar_expect_tx(&full[stage], STAGE_BYTES);
+          tma_load_2d(dst, &a_map, &full[stage], m0, p0);
+          tma_load_2d(dst + TILE_BYTES, &d_map, &full[stage], m0, q0);
+          if (++stage == num_stages) { stage = 0; phase ^= 1; }
+        }
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int consumer = warpgroup - 1;
+  const int tid = threadIdx.x - 128;  // 0..255 over both consumer warpgroups
+  const int tid_wg = tid & 127;
+  const int warp_in_group = tid_wg / 32, lane = threadIdx.x & 31;
+  const int frag_row = warp_in_group * 16 + lane / 4;  // within the consumer's 64 rows, and + 8
+  const int frag_col = (lane % 4) * 2;
+  unsigned char* staging = out_stage + consumer * staging_bytes;
+  float acc[FRAG], part_a[FRAG], part_b[FRAG];
+  int stage = 0;
+  u32 phase = 0;
+
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    int g, p0, q0;
+    tile_of(t, g, p0, q0);
+    // The same in every lane: ptxas then treats the branches on them as uniform (a divergent
+    // branch inside a wgmma's flight serializes every wgmma).
+    const int rows = __shfl_sync(0xffffffffu, groups.row_end[g] - groups.row_start[g], 0);
+    const int steps = (rows + BLOCK_K - 1) / BLOCK_K;
+    const int first_slot = __shfl_sync(0xffffffffu, groups.tile_end[g], 0) - steps;
+    // This thread's scale of each chunk: a_t's row p0 + tid (tid < 128) or d_t's row
+    // q0 + tid - 128, zero past P or Q; a clamped index and a select keep it branch-free.
+    const bool is_a = tid < 128;
+    const int idx = is_a ? p0 + tid : q0 + tid - 128;
+    const bool idx_ok = idx < (is_a ? P : Q);
+    const float* scale_row = is_a ? a_scale + (long long)min(idx, P - 1) * a_scale_stride_p
+                                  : d_scale + (long long)min(idx, Q - 1) * d_scale_stride_q;
+    const int scale_step = is_a ? a_scale_stride_s : d_scale_stride_s;
+    auto load_scale = [&](int s) {
+      const float v = scale_row[(long long)(first_slot + min(s, max(steps - 1, 0))) * scale_step];
+      return idx_ok ? v : 0.f;
+    };
+    // Chunk s's stage has landed: cut it where the group ends inside it (each consumer thread
+    // one row of a_t or d_t); visible to the wgmma after the fence and the next barrier.
+    auto prepare = [&](int s) {
+      mbar_wait(&full[stage], phase);
+      const int valid = rows - s * BLOCK_K;
+      cut_row(smem + stage * STAGE_BYTES + (is_a ? 0 : TILE_BYTES), tid_wg, valid, valid < BLOCK_K);
+      fence_async_shared();
+    };
+    auto issue = [&](float* part) {
+      const unsigned char* a_rows = smem + stage * STAGE_BYTES + consumer * (64 * BLOCK_K);
+      const unsigned char* d_tile = smem + stage * STAGE_BYTES + TILE_BYTES;
+      wgmma_fence();
+      wgmma_m64n128k32_first(part, smem_desc(a_rows), smem_desc(d_tile));
+#pragma unroll
+      for (int k = 1; k < BLOCK_K / 32; ++k)
+        wgmma_m64n128k32(part, smem_desc(a_rows + 32 * k), smem_desc(d_tile + 32 * k), 1);
+      wgmma_commit();
+      const int issued = stage;
+      if (++stage == num_stages) { stage = 0; phase ^= 1; }
+      return issued;
+    };
+    // acc += part * (a scale of the row) * (d scale of the column), then the stage goes back.
+    auto promote = [&](float* part, int part_stage, int s) {
+      fence_registers<FRAG>(part);
+      mbar_arrive_if(&empty[part_stage], lane == 0);
+      const float* sc = step_scales + (s % 3) * 256;
+      const float a0 = sc[consumer * 64 + frag_row], a1 = sc[consumer * 64 + frag_row + 8];
+#pragma unroll
+      for (int j = 0; j < FRAG / 4; ++j) {
+        const float2 d = *(const float2*)(sc + 128 + 8 * j + frag_col);
+        acc[4 * j + 0] = fmaf(part[4 * j + 0], a0 * d.x, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(part[4 * j + 1], a0 * d.y, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(part[4 * j + 2], a1 * d.x, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(part[4 * j + 3], a1 * d.y, acc[4 * j + 3]);
+      }
+    };
+
+#pragma unroll
+    for (int i = 0; i < FRAG; ++i) acc[i] = 0.f;
+    if (steps > 0) {
+      // Scales go through shared memory, three chunks' worth: chunk s + 1's are stored while
+      // chunk s is promoted, and one barrier of both consumer warpgroups per chunk publishes
+      // them with the chunk's cut tiles.
+      step_scales[tid] = load_scale(0);
+      float next_scale = load_scale(1);
+      prepare(0);
+      named_barrier(1, 256);
+      int stage_a = issue(part_a), stage_b;
+      auto step = [&](float* cur, int cur_stage, float* next, int& next_stage, int s) {
+        prepare(s + 1);
+        step_scales[((s + 1) % 3) * 256 + tid] = next_scale;
+        next_scale = load_scale(s + 2);
+        named_barrier(1, 256);
+        next_stage = issue(next);
+        wgmma_wait<1>();
+        promote(cur, cur_stage, s);
+      };
+      int s = 0;
+      for (; s + 2 < steps; s += 2) {
+        step(part_a, stage_a, part_b, stage_b, s);
+        step(part_b, stage_b, part_a, stage_a, s + 1);
+      }
+      if (s + 1 < steps) {
+        step(part_a, stage_a, part_b, stage_b, s);
+        wgmma_wait<0>();
+        promote(part_b, stage_b, s + 1);
+      } else {
+        wgmma_wait<0>();
+        promote(part_a, stage_a, s);
+      }
+      // The next tile's first scales overwrite slot 0 only after every thread is done here.
+      named_barrier(1, 256);
+    }
+
+    // Epilogue (empty groups store zeros): the fragment goes to this consumer's staging boxes
+    // once the previous tile's store has read them, then one thread stores them by TMA, which
+    // clips rows past P and columns past Q; the store runs on under the next tile's wgmma.
+    // (The row goes through an opaque move: otherwise the compiler computes the 32 staging
+    // addresses once, before the tile loop, and keeps them in registers the k loop needs.)
+    if (tid_wg == 0) bulk_wait_read();
+    named_barrier(2 + consumer, 128);
+    int row;
+    asm volatile("mov.b32 %0, %1;" : "=r"(row) : "r"(frag_row));
+    if (out_kind == 2) stage_fragment_fp32<FRAG / 4>(staging, acc, 0, row, frag_col);
+    else stage_fragment_16bit<FRAG / 4>(staging, acc, row, frag_col, out_kind, [](int) { return make_float2(0.f, 0.f); });
+    fence_async_shared();
+    named_barrier(2 + consumer, 128);
+    if (tid_wg == 0) {
+      const int box_cols = out_kind == 2 ? 32 : 64, boxes = out_kind == 2 ? 4 : 2, row0 = p0 + consumer * 64;
+      for (int box = 0; box < boxes; ++box)
+        if (q0 + box * box_cols < Q && row0 < P)
+          tma_store_3d(&out_map, staging + box * STAGING_BOX_BYTES, q0 + box * box_cols, row0, g);
+      bulk_commit();
+    }
+  }
+  if (tid_wg == 0) bulk_wait();
 }

@@ -133,27 +133,6 @@ __device__ __forceinline__ void consume_steps(int steps, int& stage, u32& phase,
   mbar_arrive_if(&empty[prev_stage], lane == 0 && steps > 0);
 }
 
-// A consumer's 64 x 256 fragment, plus bias(j) = the bias pair of its columns 8j + frag_col
-// and + 1, as 2-byte values into the staging buffer: four boxes of 64 rows x 128 bytes in the
-// 128-byte-swizzled layout of TMA (conflict-free: the 8 rows of a store land in 8 different
-// 16-byte chunks). Fragment: acc[4j + 0..1] are (row, 8j + frag_col + 0..1), acc[4j + 2..3]
-// the same columns of row + 8.
-template <typename Bias>
-__device__ __forceinline__ void stage_fragment_16bit(unsigned char* staging, const float* acc, int frag_row,
-                                                     int frag_col, int out_kind, Bias&& bias) {
-#pragma unroll
-  for (int j = 0; j < FRAG / 4; ++j) {
-    const float2 b = bias(j);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = frag_row + 8 * r;
-      const u32 addr = smem_addr(staging) + row * 128 + (j / 8) * BOX_BYTES + (((j % 8) ^ (row & 7)) * 16) + frag_col * 2;
-      asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr),
-                   "r"(pack_half2(out_kind, acc[4 * j + 2 * r] + b.x, acc[4 * j + 2 * r + 1] + b.y)) : "memory");
-    }
-  }
-}
-
 template <bool F16>
 __device__ __forceinline__ void grouped_mm_wgrad(
     const TensorMap& a_map, const TensorMap& b_map, const TensorMap& out_map, int out_kind,
@@ -264,22 +243,10 @@ __device__ __forceinline__ void grouped_mm_wgrad(
       if (h == 1 && out_kind != 2) break;
       if (tid == 0) bulk_wait_read();  // the previous store has left the staging buffer
       named_barrier(1 + consumer, 128);
-      if (out_kind == 2) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = frag_row + 8 * r;
-#pragma unroll
-          for (int j = 0; j < FRAG / 8; ++j) {  // 16 column groups of 8 per half
-            const int jj = h * (FRAG / 8) + j;
-            const int col = (j % 4) * 8 + frag_col;  // fp32 column within a 32-column box
-            const u32 addr = smem_addr(staging) + row * 128 + (j / 4) * BOX_BYTES + (((col / 4) ^ (row & 7)) * 16) + (col % 4) * 4;
-            asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(acc[4 * jj + 2 * r]),
-                         "f"(acc[4 * jj + 2 * r + 1]) : "memory");
-          }
-        }
-      } else {
-        stage_fragment_16bit(staging, acc, frag_row, frag_col, out_kind, [](int) { return make_float2(0.f, 0.f); });
-      }
+      if (out_kind == 2)  // 16 column groups of 8 per half
+        stage_fragment_fp32<FRAG / 8>(staging, acc, h * (FRAG / 8), frag_row, frag_col);
+      else
+        stage_fragment_16bit<FRAG / 4>(staging, acc, frag_row, frag_col, out_kind, [](int) { return make_float2(0.f, 0.f); });
       fence_async_shared();
       named_barrier(1 + consumer, 128);
       if (tid == 0) {
@@ -422,7 +389,7 @@ __device__ __forceinline__ void grouped_mm_fwd(
     // every thread has copied the previous tile out.
     if (tid == 0) bulk_wait_read();
     named_barrier(1 + consumer, 128);
-    stage_fragment_16bit(staging, acc, frag_row, frag_col, out_kind, [&](int j) {
+    stage_fragment_16bit<FRAG / 4>(staging, acc, frag_row, frag_col, out_kind, [&](int j) {
       float2 b = make_float2(0.f, 0.f);
       const int col = tile.col0 + 8 * j + frag_col;
       if (bias_kind >= 0) {

@@ -127,6 +127,47 @@ __device__ __forceinline__ void store_one(void* out, int out_kind, long long i, 
   else ((unsigned short*)out)[i] = (unsigned short)(pack_half2(out_kind, v, 0.f) & 0xffff);
 }
 
+// Staging a consumer warpgroup's wgmma fragment (64 rows) for TMA stores: boxes of 64 rows x
+// 128 bytes in the 128-byte-swizzled layout (conflict-free: the 8 rows of a store land in 8
+// different 16-byte chunks). Fragment: acc[4j + 0..1] are (row, 8j + frag_col + 0..1),
+// acc[4j + 2..3] the same columns of row + 8.
+constexpr int STAGING_BOX_BYTES = 64 * 128;
+
+// Column groups j of the fragment, plus bias(j) = the bias pair of its columns, as 2-byte
+// values: box j / 8 holds columns 64 (j / 8) ...
+template <int J, typename Bias>
+__device__ __forceinline__ void stage_fragment_16bit(unsigned char* staging, const float* acc, int frag_row,
+                                                     int frag_col, int out_kind, Bias&& bias) {
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const float2 b = bias(j);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = frag_row + 8 * r;
+      const u32 addr = smem_addr(staging) + row * 128 + (j / 8) * STAGING_BOX_BYTES + (((j % 8) ^ (row & 7)) * 16) + frag_col * 2;
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr),
+                   "r"(pack_half2(out_kind, acc[4 * j + 2 * r] + b.x, acc[4 * j + 2 * r + 1] + b.y)) : "memory");
+    }
+  }
+}
+
+// Column groups j0 .. j0 + J - 1 as fp32: box (j - j0) / 4 holds 32 columns.
+template <int J>
+__device__ __forceinline__ void stage_fragment_fp32(unsigned char* staging, const float* acc, int j0, int frag_row,
+                                                    int frag_col) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = frag_row + 8 * r;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int col = (j % 4) * 8 + frag_col;  // within a 32-column box
+      const u32 addr = smem_addr(staging) + row * 128 + (j / 4) * STAGING_BOX_BYTES + (((col / 4) ^ (row & 7)) * 16) + (col % 4) * 4;
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(acc[4 * (j0 + j) + 2 * r]),
+                   "f"(acc[4 * (j0 + j) + 2 * r + 1]) : "memory");
+    }
+  }
+}
+
 // out[row_offset + c] and [.. + c + 1] (c even), masked at N.
 __device__ __forceinline__ void store_pair(void* out, int out_kind, long long row_offset, int c, int N,
                                            bool paired, float lo, float hi) {

@@ -300,8 +300,20 @@ def grouped_mm_wgrad_sm90_config() -> TileConfig:
 def grouped_mm_sm90_config() -> TileConfig:
     """Tile of the CUDA bf16/fp16 forward/dgrad kernel (csrc/grouped_mm.cu): 128 x 256 x 64,
     the Triton kernel's best tile too (see grouped_mm_config); 3 stages of 48 KB beside the
-    64 KB output staging and the tile list."""
+    64 KB output staging and the tile list. Making room for a fourth (box-by-box staging, or
+    one staging buffer the consumers take in turns) measured no faster (RESULTS.md)."""
     def heuristic():
         return TileConfig(block_m=128, block_n=256, block_k=64, num_warps=12, num_stages=3)
 
     return _choose("grouped_mm_sm90", (), "cuda", heuristic)
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_blockwise_wgrad_sm90_config() -> TileConfig:
+    """Tile of the CUDA FP8 blockwise weight-gradient kernel (csrc/fp8_grouped_mm.cu): 128 x 128
+    output tiles reduced 128 rows (one columnwise scale block) per 32 KB stage. As many stages
+    as fit beside the output staging (bf16: 5, fp32: 4; kernels/scaled_grouped_mm_sm90.py)."""
+    def heuristic():
+        return TileConfig(block_m=128, block_n=128, block_k=128, num_warps=12, num_stages=5)
+
+    return _choose("fp8_blockwise_wgrad_sm90", (), "cuda", heuristic)

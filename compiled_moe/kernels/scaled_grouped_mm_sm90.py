@@ -1,7 +1,8 @@
-"""Launcher of the Hopper FP8 blockwise grouped GEMM in ``csrc/fp8_grouped_mm.cu`` (wgmma + TMA).
+"""Launchers of the Hopper FP8 blockwise grouped GEMMs in ``csrc/fp8_grouped_mm.cu`` (wgmma + TMA).
 
-Used for ``scaled_grouped_mm`` with recipe fp8_blockwise on sm_90 when the
-operands meet TMA's alignment rules (``supported``); everything else runs the Triton kernel.
+Used for ``scaled_grouped_mm`` and ``scaled_grouped_mm_wgrad`` with recipe fp8_blockwise on
+sm_90 when the operands meet TMA's alignment rules (``supported`` / ``wgrad_supported``);
+everything else runs the Triton kernels.
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ import torch
 from compiled_moe import native
 from compiled_moe.native import TMA_ALIGN as _ALIGN, hopper
 from compiled_moe.native import tma_aligned as aligned  # noqa: F401 (the ops' launch check)
-from compiled_moe.kernels.configs import fp8_blockwise_sm90_config, size_hint
+from compiled_moe.kernels.configs import (fp8_blockwise_sm90_config,
+                                          fp8_blockwise_wgrad_sm90_config, size_hint)
 from compiled_moe.kernels.grouped_mm import _num_sms
 
 _THREADS = 384
 MAX_GROUPS = 2048  # the tile list lives in shared memory beside the ring
 _OUT_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_OUT_MAP_TYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "FLOAT16", torch.float32: "FLOAT32"}
+_STAGE_BYTES = 2 * 128 * 128  # two 128 x 128 e4m3 tiles
+_SHARED_LIMIT = 227 * 1024
 
 
 def enabled() -> bool:
@@ -65,4 +70,59 @@ def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, num_stages=None) -> Non
         b_scale, i64(b_scale.stride(0)), i32(b_scale.stride(1)), i32(b_scale.stride(2)),
         out, i32(_OUT_KINDS[out.dtype]), i64(out.stride(0)),
         offs, i32(M), i32(N), i32(K), i32(G), i32(num_stages),
+    )
+
+
+def wgrad_supported(a_t, d_t, recipe: str) -> bool:
+    """Weight gradient from columnwise data, static conditions: the recipe, device and strides
+    (rows of 16-byte multiples: TMA's rule). Addresses are checked at launch."""
+    if recipe != "fp8_blockwise" or not enabled():
+        return False
+    if a_t.device.type != "cuda" or not hopper(a_t.device.index or 0):
+        return False
+    return all(t.stride(1) == 1 and t.stride(0) % _ALIGN == 0 for t in (a_t, d_t))
+
+
+def _wgrad_shared_bytes(num_groups: int, num_stages: int, out_dtype: torch.dtype) -> int:
+    # ring + the two consumers' 64 x 128 output staging + 1024 alignment slack + 2 x 8
+    # mbarriers + 3 x 256 step scales + 32 scan ints + 3 ints per group
+    staging = 2 * 64 * 128 * out_dtype.itemsize
+    return (num_stages * _STAGE_BYTES + staging + 1024 + 2 * 8 * 8 + 3 * 256 * 4
+            + 4 * (32 + 3 * num_groups))
+
+
+def wgrad_stages(requested: int, num_groups: int, out_dtype: torch.dtype) -> int:
+    """The requested ring depth, less where it does not fit beside the output staging and the
+    groups' table (fp32 outputs stage twice the bytes of bf16)."""
+    n = requested
+    while n > 2 and _wgrad_shared_bytes(num_groups, n, out_dtype) > _SHARED_LIMIT:
+        n -= 1
+    return n
+
+
+def scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, out, num_stages=None) -> None:
+    """out[g] (P, Q) = a_g^T @ d_g from columnwise e4m3 data a_t (P, M), d_t (Q, M) with 1x128
+    columnwise scales (P, S), (Q, S). The caller checked ``wgrad_supported``, ``aligned`` and
+    P, Q, G > 0; out (G, P, Q) is contiguous."""
+    P, M = a_t.shape
+    Q = d_t.shape[0]
+    G = out.shape[0]
+    dev = a_t.device.index if a_t.device.index is not None else torch.cuda.current_device()
+    i32, i64 = native.int32, native.int64
+    m = max(M, 1)  # a tensor map needs a nonzero extent; M = 0 loads nothing
+    a_map = native.tensor_map(a_t.data_ptr(), (m, P), (a_t.stride(0),), (128, 128))
+    d_map = native.tensor_map(d_t.data_ptr(), (m, Q), (d_t.stride(0),), (128, 128))
+    es = out.element_size()
+    out_map = native.tensor_map(out.data_ptr(), (Q, P, G), (out.stride(1) * es, out.stride(0) * es),
+                                (128 // es, 64, 1), _OUT_MAP_TYPES[out.dtype])
+    cfg = fp8_blockwise_wgrad_sm90_config()
+    num_stages = wgrad_stages(num_stages or cfg.num_stages, G, out.dtype)
+    num_tiles = G * -(-P // 128) * -(-Q // 128)
+    native.launch_driver(
+        native.kernel("fp8_grouped_mm", "fp8_blockwise_grouped_mm_wgrad", dev),
+        min(_num_sms(dev), num_tiles), _THREADS, _wgrad_shared_bytes(G, num_stages, out.dtype),
+        a_map, d_map, out_map,
+        a_scale, i64(a_scale.stride(0)), i32(a_scale.stride(1)),
+        d_scale, i64(d_scale.stride(0)), i32(d_scale.stride(1)),
+        i32(_OUT_KINDS[out.dtype]), offs.contiguous(), i32(M), i32(P), i32(Q), i32(G), i32(num_stages),
     )
