@@ -278,15 +278,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
   unsigned char* out_stage = smem + num_stages * STAGE_BYTES;
   u64* full = (u64*)(out_stage + 2 * staging_bytes);
   u64* empty = full + MAX_STAGES;
-  float* step_scales = (float*)(empty + MAX_STAGES);  // [3][256]: a_t's 128 rows, d_t's 128 rows
-  int* scratch = (int*)(step_scales + 3 * 256);
+  u64* ready = empty + MAX_STAGES;  // a stage's scales are in place and its rows cut
+  float* stage_scales = (float*)(ready + MAX_STAGES);  // [stage][256]: a_t's 128 rows, d_t's 128
+  int* scratch = (int*)(stage_scales + num_stages * 256);
   // The groups' rows, and (as tile_end, chunks of 128 rows) the end of their scale slots.
   Schedule groups{scratch + 32, scratch + 32 + G, scratch + 32 + 2 * G};
 
   const int num_p = (P + BLOCK_M - 1) / BLOCK_M, num_q = (Q + BLOCK_N - 1) / BLOCK_N;
   const int per_group = num_p * num_q, num_tiles = G * per_group;
-  const int warpgroup = threadIdx.x / 128;
+  const int warpgroup = threadIdx.x / 128, lane = threadIdx.x & 31;
   init_ring(full, empty, num_stages, 8);
+  if (threadIdx.x == 0)
+    for (int st = 0; st < num_stages; ++st) mbar_init(&ready[st], 32);  // fenced by the barrier below
   build_schedule(offs, G, M, 1, BLOCK_K, groups, scratch);  // ends with __syncthreads
   // A TMA box starts at a 16-byte multiple along the rows (a misaligned start is an illegal
   // instruction). If any group starts elsewhere, this kernel does nothing and the Triton
@@ -306,8 +309,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
   };
 
   if (warpgroup == 0) {
+    // Warp 0 loads the stages by TMA; warps 1-3 prepare them for the consumers: each 128-row
+    // chunk's 256 scales into the stage's slot of stage_scales, and the chunk that passes its
+    // group's end cut in shared memory once it has landed. Kept off the consumers, whose
+    // registers hold three fragments, and off their barriers.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (threadIdx.x == 0) {
+    const int warp = threadIdx.x / 32;
+    if (warp == 0 && lane == 0) {
       asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&a_map) : "memory");
       asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&d_map) : "memory");
       int stage = 0;
@@ -324,15 +332,56 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
           if (++stage == num_stages) { stage = 0; phase ^= 1; }
         }
       }
+    } else if (warp > 0) {
+      // Warps 1-3 take chunks in turn: a chunk's scale loads take a global load's latency,
+      // which one warp alone would pay once per chunk, slower than the consumers reduce one.
+      int stage = 0, seq = 0;
+      u32 phase = 0;
+      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+        int g, p0, q0;
+        tile_of(t, g, p0, q0);
+        const int rows = groups.row_end[g] - groups.row_start[g];
+        const int steps = (rows + BLOCK_K - 1) / BLOCK_K;
+        const int first_slot = groups.tile_end[g] - steps;
+        for (int s = 0; s < steps; ++s, ++seq) {
+          if (seq % 3 == warp - 1) {
+            // Loaded before the slot is free, so the latency overlaps the wait. Rows past P
+            // or Q take the last row's scales (their outputs are not stored).
+            const long long slot = first_slot + s;
+            float sa[4], sd[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int p = min(p0 + lane + 32 * i, P - 1), q = min(q0 + lane + 32 * i, Q - 1);
+              sa[i] = a_scale[p * a_scale_stride_p + slot * a_scale_stride_s];
+              sd[i] = d_scale[q * d_scale_stride_q + slot * d_scale_stride_s];
+            }
+            mbar_wait(&empty[stage], phase ^ 1);  // the consumers are done with the slot
+            float* sc = stage_scales + stage * 256;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              sc[lane + 32 * i] = sa[i];
+              sc[128 + lane + 32 * i] = sd[i];
+            }
+            const int valid = rows - s * BLOCK_K;
+            if (valid < BLOCK_K) {
+              mbar_wait(&full[stage], phase);
+              unsigned char* tiles = smem + stage * STAGE_BYTES;
+              for (int r = lane; r < 256; r += 32) cut_row(tiles + (r / 128) * TILE_BYTES, r % 128, valid, true);
+              fence_async_shared();
+            }
+            mbar_arrive_if(&ready[stage], true);
+          }
+          if (++stage == num_stages) { stage = 0; phase ^= 1; }
+        }
+      }
     }
     return;
   }
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int consumer = warpgroup - 1;
-  const int tid = threadIdx.x - 128;  // 0..255 over both consumer warpgroups
-  const int tid_wg = tid & 127;
-  const int warp_in_group = tid_wg / 32, lane = threadIdx.x & 31;
+  const int tid_wg = threadIdx.x & 127;
+  const int warp_in_group = tid_wg / 32;
   const int frag_row = warp_in_group * 16 + lane / 4;  // within the consumer's 64 rows, and + 8
   const int frag_col = (lane % 4) * 2;
   unsigned char* staging = out_stage + consumer * staging_bytes;
@@ -343,32 +392,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
   for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     int g, p0, q0;
     tile_of(t, g, p0, q0);
-    // The same in every lane: ptxas then treats the branches on them as uniform (a divergent
+    // The same in every lane: ptxas then treats the branches on it as uniform (a divergent
     // branch inside a wgmma's flight serializes every wgmma).
-    const int rows = __shfl_sync(0xffffffffu, groups.row_end[g] - groups.row_start[g], 0);
-    const int steps = (rows + BLOCK_K - 1) / BLOCK_K;
-    const int first_slot = __shfl_sync(0xffffffffu, groups.tile_end[g], 0) - steps;
-    // This thread's scale of each chunk: a_t's row p0 + tid (tid < 128) or d_t's row
-    // q0 + tid - 128, zero past P or Q; a clamped index and a select keep it branch-free.
-    const bool is_a = tid < 128;
-    const int idx = is_a ? p0 + tid : q0 + tid - 128;
-    const bool idx_ok = idx < (is_a ? P : Q);
-    const float* scale_row = is_a ? a_scale + (long long)min(idx, P - 1) * a_scale_stride_p
-                                  : d_scale + (long long)min(idx, Q - 1) * d_scale_stride_q;
-    const int scale_step = is_a ? a_scale_stride_s : d_scale_stride_s;
-    auto load_scale = [&](int s) {
-      const float v = scale_row[(long long)(first_slot + min(s, max(steps - 1, 0))) * scale_step];
-      return idx_ok ? v : 0.f;
-    };
-    // Chunk s's stage has landed: cut it where the group ends inside it (each consumer thread
-    // one row of a_t or d_t); visible to the wgmma after the fence and the next barrier.
-    auto prepare = [&](int s) {
-      mbar_wait(&full[stage], phase);
-      const int valid = rows - s * BLOCK_K;
-      cut_row(smem + stage * STAGE_BYTES + (is_a ? 0 : TILE_BYTES), tid_wg, valid, valid < BLOCK_K);
-      fence_async_shared();
-    };
+    const int steps = __shfl_sync(0xffffffffu, (groups.row_end[g] - groups.row_start[g] + BLOCK_K - 1) / BLOCK_K, 0);
+    // Waits for the next stage (landed, scales in place, cut) and issues its four wgmma into
+    // `part`; returns the stage.
     auto issue = [&](float* part) {
+      mbar_wait(&full[stage], phase);
+      mbar_wait(&ready[stage], phase);
       const unsigned char* a_rows = smem + stage * STAGE_BYTES + consumer * (64 * BLOCK_K);
       const unsigned char* d_tile = smem + stage * STAGE_BYTES + TILE_BYTES;
       wgmma_fence();
@@ -381,11 +412,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
       if (++stage == num_stages) { stage = 0; phase ^= 1; }
       return issued;
     };
-    // acc += part * (a scale of the row) * (d scale of the column), then the stage goes back.
-    auto promote = [&](float* part, int part_stage, int s) {
+    // acc += part * (a scale of the row) * (d scale of the column); then the stage (data and
+    // scales) goes back.
+    auto promote = [&](float* part, int part_stage) {
       fence_registers<FRAG>(part);
-      mbar_arrive_if(&empty[part_stage], lane == 0);
-      const float* sc = step_scales + (s % 3) * 256;
+      const float* sc = stage_scales + part_stage * 256;
       const float a0 = sc[consumer * 64 + frag_row], a1 = sc[consumer * 64 + frag_row + 8];
 #pragma unroll
       for (int j = 0; j < FRAG / 4; ++j) {
@@ -395,43 +426,35 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
         acc[4 * j + 2] = fmaf(part[4 * j + 2], a1 * d.x, acc[4 * j + 2]);
         acc[4 * j + 3] = fmaf(part[4 * j + 3], a1 * d.y, acc[4 * j + 3]);
       }
+      __syncwarp();
+      mbar_arrive_if(&empty[part_stage], lane == 0);
     };
 
 #pragma unroll
     for (int i = 0; i < FRAG; ++i) acc[i] = 0.f;
     if (steps > 0) {
-      // Scales go through shared memory, three chunks' worth: chunk s + 1's are stored while
-      // chunk s is promoted, and one barrier of both consumer warpgroups per chunk publishes
-      // them with the chunk's cut tiles.
-      step_scales[tid] = load_scale(0);
-      float next_scale = load_scale(1);
-      prepare(0);
-      named_barrier(1, 256);
+      // Steady state, two chunks per turn so both buffers keep fixed registers: issue chunk
+      // s + 1, wait until only it is in flight, promote chunk s.
       int stage_a = issue(part_a), stage_b;
-      auto step = [&](float* cur, int cur_stage, float* next, int& next_stage, int s) {
-        prepare(s + 1);
-        step_scales[((s + 1) % 3) * 256 + tid] = next_scale;
-        next_scale = load_scale(s + 2);
-        named_barrier(1, 256);
-        next_stage = issue(next);
-        wgmma_wait<1>();
-        promote(cur, cur_stage, s);
-      };
       int s = 0;
       for (; s + 2 < steps; s += 2) {
-        step(part_a, stage_a, part_b, stage_b, s);
-        step(part_b, stage_b, part_a, stage_a, s + 1);
+        stage_b = issue(part_b);
+        wgmma_wait<1>();
+        promote(part_a, stage_a);
+        stage_a = issue(part_a);
+        wgmma_wait<1>();
+        promote(part_b, stage_b);
       }
       if (s + 1 < steps) {
-        step(part_a, stage_a, part_b, stage_b, s);
+        stage_b = issue(part_b);
+        wgmma_wait<1>();
+        promote(part_a, stage_a);
         wgmma_wait<0>();
-        promote(part_b, stage_b, s + 1);
+        promote(part_b, stage_b);
       } else {
         wgmma_wait<0>();
-        promote(part_a, stage_a, s);
+        promote(part_a, stage_a);
       }
-      // The next tile's first scales overwrite slot 0 only after every thread is done here.
-      named_barrier(1, 256);
     }
 
     // Epilogue (empty groups store zeros): the fragment goes to this consumer's staging boxes

@@ -29,10 +29,10 @@ KERNELS = {
 }
 
 # Spill stores a kernel may have (bytes). The FP8 weight gradient holds three 64-float
-# fragments (the sum and two buffers of partial products) beside its per-chunk scales and the
-# cut of a group's last chunk: ptxas spills 120 bytes (measured 1.1-1.5x the Triton kernel
-# with them; getting them out is open work). Any growth fails here.
-SPILL_STORES_ALLOWED = {"fp8_blockwise_grouped_mm_wgrad": 120}
+# fragments (the sum and two buffers of partial products) beside the 32 column scales each
+# chunk's promotion reads: ptxas spills 164 bytes (see RESULTS.md for the kernel's speed with
+# them; getting them out is open work). Any growth fails here.
+SPILL_STORES_ALLOWED = {"fp8_blockwise_grouped_mm_wgrad": 164}
 
 
 def _sass_by_function(cubin_path: str) -> dict[str, str]:

@@ -84,10 +84,10 @@ def wgrad_supported(a_t, d_t, recipe: str) -> bool:
 
 
 def _wgrad_shared_bytes(num_groups: int, num_stages: int, out_dtype: torch.dtype) -> int:
-    # ring + the two consumers' 64 x 128 output staging + 1024 alignment slack + 2 x 8
-    # mbarriers + 3 x 256 step scales + 32 scan ints + 3 ints per group
+    # ring + the two consumers' 64 x 128 output staging + 1024 alignment slack + 3 x 8
+    # mbarriers + 256 scales per stage + 32 scan ints + 3 ints per group
     staging = 2 * 64 * 128 * out_dtype.itemsize
-    return (num_stages * _STAGE_BYTES + staging + 1024 + 2 * 8 * 8 + 3 * 256 * 4
+    return (num_stages * (_STAGE_BYTES + 256 * 4) + staging + 1024 + 3 * 8 * 8
             + 4 * (32 + 3 * num_groups))
 
 
