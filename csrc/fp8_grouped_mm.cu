@@ -227,13 +227,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
 // FP8 tensor cores read. out (G, P, Q) bf16, fp16 or fp32 with unit column stride.
 //
 // Why CUDA: the Triton kernel waits for every chunk's wgmma before scaling it, and stored its
-// tile from registers; it ran at 0.39-0.64x of torch._grouped_mm in bf16, so FP8 training
-// lost time in every weight gradient. This is the forward kernel's block (producer warp, two
-// consumer warpgroups of 64 rows, two buffers of partial products) walking (group, P tile,
-// Q tile) tiles, with a chunk's scales per row of a_t and per row of d_t, the chunk that
-// passes its group's end cut in shared memory, and the bf16 weight gradient's TMA-store
-// epilogue (the tile leaves under the next tile's wgmma). Group starts need no alignment:
-// TMA boxes start at any row.
+// tile from registers; it ran at 0.39-0.64x of torch._grouped_mm in bf16. This kernel: 0.71-
+// 0.95x (RESULTS.md), still short of bf16. It is the forward kernel's block (producer warp,
+// two consumer warpgroups of 64 rows, two buffers of partial products) walking (group,
+// P tile, Q tile) tiles; the producer warpgroup's other three warps stage each chunk's scales
+// (per row of a_t and of d_t) and cut the chunk that passes its group's end in shared memory;
+// the bf16 weight gradient's TMA-store epilogue (the tile leaves under the next tile's wgmma).
+// Groups must start at multiples of 16 rows (TMA along the rows); see the test on offs below.
 
 constexpr int WGRAD_BAND_P = 8;  // tile order: P tiles vary fastest within bands of 8
 
@@ -335,6 +335,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
     } else if (warp > 0) {
       // Warps 1-3 take chunks in turn: a chunk's scale loads take a global load's latency,
       // which one warp alone would pay once per chunk, slower than the consumers reduce one.
+      // The parity waits below need num_stages >= 3: a warp's previous chunk is 3 before, so
+      // an empty barrier it waits on is never two phases behind.
       int stage = 0, seq = 0;
       u32 phase = 0;
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {

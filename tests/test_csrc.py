@@ -131,3 +131,32 @@ def test_grouped_mm_cuda_dispatch_conditions(monkeypatch):
         monkeypatch.setenv("COMPILED_MOE_GEMM", "triton")
         assert not sm90.supported(a, b_k, None, bf16)
         assert not sm90.wgrad_supported(dy, x, bf16)
+
+
+def test_fp8_wgrad_cuda_dispatch_conditions(monkeypatch):
+    """Which FP8 weight gradients the Hopper kernel takes (fake CUDA tensors, the device check
+    forced on): fp8_blockwise, token-major columnwise data with 16-byte rows, at most
+    MAX_GROUPS groups; the rest runs the Triton kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compiled_moe.kernels import scaled_grouped_mm_sm90 as sm90
+    monkeypatch.setattr(sm90, "hopper", lambda index: True)
+    fp8 = torch.float8_e4m3fn
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        def t(shape, stride):
+            return torch.empty_strided(shape, stride, dtype=fp8, device="cuda")
+
+        P, Q, M, G = 256, 384, 512, 8
+        a_t, d_t = t((P, M), (M, 1)), t((Q, M), (M, 1))
+        assert sm90.wgrad_supported(a_t, d_t, "fp8_blockwise", G)
+        assert not sm90.wgrad_supported(a_t, d_t, "fp8_rowwise", G)
+        assert not sm90.wgrad_supported(a_t, d_t, "mxfp8", G)
+        assert not sm90.wgrad_supported(a_t, d_t, "fp8_blockwise", sm90.MAX_GROUPS + 1)
+        assert not sm90.wgrad_supported(t((P, 520), (520, 1)), d_t, "fp8_blockwise", G)  # 520-byte rows
+        assert not sm90.wgrad_supported(a_t, t((Q, M), (1, Q)), "fp8_blockwise", G)      # not token-major
+        monkeypatch.setenv("COMPILED_MOE_FP8_GEMM", "triton")
+        assert not sm90.wgrad_supported(a_t, d_t, "fp8_blockwise", G)
+    for groups in (1, 128, sm90.MAX_GROUPS):  # the ring and the group table fit a Hopper block
+        for dtype in (torch.bfloat16, torch.float32):
+            stages = sm90.wgrad_stages(5, groups, dtype)
+            assert stages >= 4 and sm90._wgrad_shared_bytes(groups, stages, dtype) <= 227 * 1024

@@ -191,7 +191,7 @@ def test_fp8_blockwise_cuda_wgrad_matches_reference_and_triton(shape, monkeypatc
     xq = cm.grouped_quantize(x, offs, "fp8_blockwise", columnwise=True)
     dq = cm.grouped_quantize(d, offs, "fp8_blockwise", columnwise=True)
     args = (xq[2], dq[2], xq[3], dq[3], offs, "fp8_blockwise")
-    assert sm90.wgrad_supported(xq[2], dq[2], "fp8_blockwise")
+    assert sm90.wgrad_supported(xq[2], dq[2], "fp8_blockwise", G)
     want = R.scaled_grouped_mm_wgrad(*args, torch.float32)
     for out_dtype in (torch.float32, torch.bfloat16):
         op = lambda: torch.ops.compiled_moe.scaled_grouped_mm_wgrad(*args, out_dtype)  # noqa: E731

@@ -73,14 +73,15 @@ def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, num_stages=None) -> Non
     )
 
 
-def wgrad_supported(a_t, d_t, recipe: str) -> bool:
-    """Weight gradient from columnwise data, static conditions: the recipe, device and strides
-    (rows of 16-byte multiples: TMA's rule). Addresses are checked at launch."""
+def wgrad_supported(a_t, d_t, recipe: str, num_groups: int) -> bool:
+    """Weight gradient from columnwise data, static conditions: the recipe, device, group count
+    and strides (rows of 16-byte multiples: TMA's rule). Addresses are checked at launch."""
     if recipe != "fp8_blockwise" or not enabled():
         return False
     if a_t.device.type != "cuda" or not hopper(a_t.device.index or 0):
         return False
-    return all(t.stride(1) == 1 and t.stride(0) % _ALIGN == 0 for t in (a_t, d_t))
+    return (num_groups <= MAX_GROUPS
+            and all(t.stride(1) == 1 and t.stride(0) % _ALIGN == 0 for t in (a_t, d_t)))
 
 
 def _wgrad_shared_bytes(num_groups: int, num_stages: int, out_dtype: torch.dtype) -> int:

@@ -270,7 +270,7 @@ def _scaled_grouped_mm_wgrad(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale:
     if not use_kernel(a_t):
         return reference.scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe,
                                                  out_dtype)
-    if _sm90().wgrad_supported(a_t, d_t, recipe):
+    if _sm90().wgrad_supported(a_t, d_t, recipe, offs.shape[0]):
         return torch.ops.compiled_moe.fp8_blockwise_grouped_mm_wgrad_sm90(a_t, d_t, a_scale, d_scale,
                                                                           offs, out_dtype)
     out = a_t.new_empty((offs.shape[0], a_t.shape[0], d_t.shape[0]),
