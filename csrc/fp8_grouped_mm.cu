@@ -216,19 +216,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
 }
 
 // ---------------------------------------------------------------------------------------------
-// fp8_blockwise_grouped_mm_wgrad: the weight gradient from columnwise data,
+// fp8_grouped_mm_wgrad: the weight gradient from columnwise data,
 //
 //   out[g] (P x Q) = sum over the 128-row chunks c of group g (from its first row) of
 //                    (a_t[:, c] . d_t[:, c]^T) * a_scale[:, slot] (x) d_scale[:, slot],
 //
-// slot = the group's first columnwise scale slot + c (compiled_moe/reference.py:
-// fp8_column_slots, scaled_grouped_mm_wgrad). a_t (P, M) and d_t (Q, M) are grouped_quantize's
+// slot = the group's first columnwise scale slot + c for fp8_blockwise (1x128 blocks), or g
+// for fp8_rowwise (`scale_per_group`: one scale per column of each group; compiled_moe/
+// reference.py: fp8_column_slots, scaled_grouped_mm_wgrad). a_t (P, M) and d_t (Q, M) are grouped_quantize's
 // columnwise e4m3 data: K-major along the rows (tokens) that the product reduces, as Hopper's
 // FP8 tensor cores read. out (G, P, Q) bf16, fp16 or fp32 with unit column stride.
 //
 // Why CUDA: the Triton kernel waits for every chunk's wgmma before scaling it, and stored its
-// tile from registers; it ran at 0.39-0.64x of torch._grouped_mm in bf16. This kernel: 0.71-
-// 0.95x (RESULTS.md), still short of bf16. It is the forward kernel's block (producer warp,
+// tile from registers; it ran at 0.39-0.83x of torch._grouped_mm in bf16. This kernel:
+// 0.79-1.14x (RESULTS.md), still mostly short of bf16. It is the forward kernel's block (producer warp,
 // two consumer warpgroups of 64 rows, two buffers of partial products) walking (group,
 // P tile, Q tile) tiles; the producer warpgroup's other three warps stage each chunk's scales
 // (per row of a_t and of d_t) and cut the chunk that passes its group's end in shared memory;
@@ -264,13 +265,14 @@ __device__ __forceinline__ void cut_row(unsigned char* tile, int row, int valid,
       : "memory");
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_mm_wgrad(
+extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_mm_wgrad(
     const __grid_constant__ TensorMap a_map,    // a_t (P, M) e4m3: dims {M, P}, box {128, 128}
     const __grid_constant__ TensorMap d_map,    // d_t (Q, M) e4m3: dims {M, Q}, box {128, 128}
     const __grid_constant__ TensorMap out_map,  // out (G, P, Q): dims {Q, P, G}, box {128 bytes, 64, 1}
     const float* __restrict__ a_scale, long long a_scale_stride_p, int a_scale_stride_s,
     const float* __restrict__ d_scale, long long d_scale_stride_q, int d_scale_stride_s,
-    int out_kind, const int* __restrict__ offs, int M, int P, int Q, int G, int num_stages) {
+    int out_kind, const int* __restrict__ offs, int M, int P, int Q, int G, int num_stages,
+    int scale_per_group) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
   // A consumer's 64 x 128 output: 2 boxes of 64 columns (2-byte outputs) or 4 of 32 (fp32).
@@ -313,7 +315,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
     // chunk's 256 scales into the stage's slot of stage_scales, and the chunk that passes its
     // group's end cut in shared memory once it has landed. Kept off the consumers, whose
     // registers hold three fragments, and off their barriers.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    // 64 registers, not the forward's 40: the helper warps' loop holds more (with 40/232 the
+    // kernel spilled 168 bytes, with 64/216 128, and ran 1.02-1.23x faster on the H200;
+    // 64 x 128 + 216 x 256 = 63488 of the 64512 registers the launch holds).
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 64;");
     const int warp = threadIdx.x / 32;
     if (warp == 0 && lane == 0) {
       asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&a_map) : "memory");
@@ -349,7 +354,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
           if (seq % 3 == warp - 1) {
             // Loaded before the slot is free, so the latency overlaps the wait. Rows past P
             // or Q take the last row's scales (their outputs are not stored).
-            const long long slot = first_slot + s;
+            const long long slot = scale_per_group ? g : first_slot + s;
             float sa[4], sd[4];
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -380,7 +385,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 216;");
   const int consumer = warpgroup - 1;
   const int tid_wg = threadIdx.x & 127;
   const int warp_in_group = tid_wg / 32;

@@ -17,7 +17,7 @@ pytest.importorskip("cuda.core")
 # Kernel -> the wgmma its SASS must hold (at least once per pipelined step of each loop).
 KERNELS = {
     "fp8_grouped_mm": {"fp8_blockwise_grouped_mm": "QGMMA.64x128x32.F32.E4M3.E4M3",
-                       "fp8_blockwise_grouped_mm_wgrad": "QGMMA.64x128x32.F32.E4M3.E4M3"},
+                       "fp8_grouped_mm_wgrad": "QGMMA.64x128x32.F32.E4M3.E4M3"},
     "grouped_mm": {
         "grouped_mm_bf16": "HGMMA.64x256x16.F32.BF16",
         "grouped_mm_bf16_nmajor": "HGMMA.64x256x16.F32.BF16",
@@ -30,9 +30,9 @@ KERNELS = {
 
 # Spill stores a kernel may have (bytes). The FP8 weight gradient holds three 64-float
 # fragments (the sum and two buffers of partial products) beside the 32 column scales each
-# chunk's promotion reads: ptxas spills 164 bytes (see RESULTS.md for the kernel's speed with
-# them; getting them out is open work). Any growth fails here.
-SPILL_STORES_ALLOWED = {"fp8_blockwise_grouped_mm_wgrad": 164}
+# chunk's promotion reads, and its helper warps' loop: ptxas spills 128 bytes (see RESULTS.md
+# for the kernel's speed with them; getting them out is open work). Any growth fails here.
+SPILL_STORES_ALLOWED = {"fp8_grouped_mm_wgrad": 128}
 
 
 def _sass_by_function(cubin_path: str) -> dict[str, str]:
@@ -135,8 +135,8 @@ def test_grouped_mm_cuda_dispatch_conditions(monkeypatch):
 
 def test_fp8_wgrad_cuda_dispatch_conditions(monkeypatch):
     """Which FP8 weight gradients the Hopper kernel takes (fake CUDA tensors, the device check
-    forced on): fp8_blockwise, token-major columnwise data with 16-byte rows, at most
-    MAX_GROUPS groups; the rest runs the Triton kernel."""
+    forced on): fp8_blockwise and fp8_rowwise, token-major columnwise data with 16-byte rows,
+    at most MAX_GROUPS groups; the rest runs the Triton kernel."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from compiled_moe.kernels import scaled_grouped_mm_sm90 as sm90
@@ -149,7 +149,7 @@ def test_fp8_wgrad_cuda_dispatch_conditions(monkeypatch):
         P, Q, M, G = 256, 384, 512, 8
         a_t, d_t = t((P, M), (M, 1)), t((Q, M), (M, 1))
         assert sm90.wgrad_supported(a_t, d_t, "fp8_blockwise", G)
-        assert not sm90.wgrad_supported(a_t, d_t, "fp8_rowwise", G)
+        assert sm90.wgrad_supported(a_t, d_t, "fp8_rowwise", G)
         assert not sm90.wgrad_supported(a_t, d_t, "mxfp8", G)
         assert not sm90.wgrad_supported(a_t, d_t, "fp8_blockwise", sm90.MAX_GROUPS + 1)
         assert not sm90.wgrad_supported(t((P, 520), (520, 1)), d_t, "fp8_blockwise", G)  # 520-byte rows

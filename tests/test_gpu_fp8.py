@@ -172,13 +172,14 @@ def test_fp8_blockwise_cuda_op_opcheck():
                                       "test_aot_dispatch_dynamic"])
 
 
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_rowwise"])
 @pytest.mark.parametrize("shape", [
     (4096, 2048, 1536, 32, 16, 32),  # routing padding: the CUDA kernel alone
     (4096, 1024, 512, 32, 1, 37),    # groups start anywhere: the Triton kernel behind it
     (1008, 2880, 2880, 6, 16, 8),    # P, Q not multiples of the 128 x 128 tile
     (256, 136, 264, 40, 16, 0),      # most groups empty
 ])
-def test_fp8_blockwise_cuda_wgrad_matches_reference_and_triton(shape, monkeypatch):
+def test_fp8_cuda_wgrad_matches_reference_and_triton(shape, recipe, monkeypatch):
     """The CUDA weight-gradient kernel (csrc/fp8_grouped_mm.cu) and its Triton complement
     against the reference and the Triton kernel alone, fp32 and bf16, with no host sync."""
     from compiled_moe.kernels import scaled_grouped_mm_sm90 as sm90
@@ -188,10 +189,10 @@ def test_fp8_blockwise_cuda_wgrad_matches_reference_and_triton(shape, monkeypatc
     d = torch.randn(M, Q, device=DEV, dtype=torch.bfloat16)
     x[M // 3] *= 1000  # one block's scale far from its neighbours'
     offs = skewed_offsets(M, G, seed=M, tail=tail, multiple=multiple)
-    xq = cm.grouped_quantize(x, offs, "fp8_blockwise", columnwise=True)
-    dq = cm.grouped_quantize(d, offs, "fp8_blockwise", columnwise=True)
-    args = (xq[2], dq[2], xq[3], dq[3], offs, "fp8_blockwise")
-    assert sm90.wgrad_supported(xq[2], dq[2], "fp8_blockwise", G)
+    xq = cm.grouped_quantize(x, offs, recipe, columnwise=True)
+    dq = cm.grouped_quantize(d, offs, recipe, columnwise=True)
+    args = (xq[2], dq[2], xq[3], dq[3], offs, recipe)
+    assert sm90.wgrad_supported(xq[2], dq[2], recipe, G)
     want = R.scaled_grouped_mm_wgrad(*args, torch.float32)
     for out_dtype in (torch.float32, torch.bfloat16):
         op = lambda: torch.ops.compiled_moe.scaled_grouped_mm_wgrad(*args, out_dtype)  # noqa: E731
@@ -209,15 +210,15 @@ def test_fp8_blockwise_cuda_wgrad_matches_reference_and_triton(shape, monkeypatc
                                    msg=str(out_dtype))
 
 
-def test_fp8_blockwise_cuda_wgrad_op_opcheck():
+def test_fp8_cuda_wgrad_op_opcheck():
     M, P, Q, G = 512, 256, 384, 4
     offs = skewed_offsets(M, G, seed=5, multiple=16)
     xq = cm.grouped_quantize(torch.randn(M, P, device=DEV, dtype=torch.bfloat16), offs,
                              "fp8_blockwise", columnwise=True)
     dq = cm.grouped_quantize(torch.randn(M, Q, device=DEV, dtype=torch.bfloat16), offs,
                              "fp8_blockwise", columnwise=True)
-    torch.library.opcheck(torch.ops.compiled_moe.fp8_blockwise_grouped_mm_wgrad_sm90,
-                          (xq[2], dq[2], xq[3], dq[3], offs, torch.float32),
+    torch.library.opcheck(torch.ops.compiled_moe.fp8_grouped_mm_wgrad_sm90,
+                          (xq[2], dq[2], xq[3], dq[3], offs, "fp8_blockwise", torch.float32),
                           test_utils=["test_autograd_registration", "test_faketensor",
                                       "test_aot_dispatch_dynamic"])
 

@@ -309,11 +309,11 @@ def grouped_mm_sm90_config() -> TileConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def fp8_blockwise_wgrad_sm90_config() -> TileConfig:
-    """Tile of the CUDA FP8 blockwise weight-gradient kernel (csrc/fp8_grouped_mm.cu): 128 x 128
-    output tiles reduced 128 rows (one columnwise scale block) per 32 KB stage. As many stages
-    as fit beside the output staging (bf16: 5, fp32: 4; kernels/scaled_grouped_mm_sm90.py)."""
+def fp8_wgrad_sm90_config() -> TileConfig:
+    """Tile of the CUDA FP8 weight-gradient kernel (csrc/fp8_grouped_mm.cu): 128 x 128 output
+    tiles reduced 128 rows (one fp8_blockwise columnwise scale block) per 32 KB stage. As many
+    stages as fit beside the output staging (bf16: 5, fp32: 4; kernels/scaled_grouped_mm_sm90.py)."""
     def heuristic():
         return TileConfig(block_m=128, block_n=128, block_k=128, num_warps=12, num_stages=5)
 
-    return _choose("fp8_blockwise_wgrad_sm90", (), "cuda", heuristic)
+    return _choose("fp8_wgrad_sm90", (), "cuda", heuristic)

@@ -1,8 +1,8 @@
 """Launchers of the Hopper FP8 blockwise grouped GEMMs in ``csrc/fp8_grouped_mm.cu`` (wgmma + TMA).
 
-Used for ``scaled_grouped_mm`` and ``scaled_grouped_mm_wgrad`` with recipe fp8_blockwise on
-sm_90 when the operands meet TMA's alignment rules (``supported`` / ``wgrad_supported``);
-everything else runs the Triton kernels.
+Used on sm_90 for ``scaled_grouped_mm`` with recipe fp8_blockwise and for
+``scaled_grouped_mm_wgrad`` with fp8_blockwise or fp8_rowwise, when the operands meet TMA's
+alignment rules (``supported`` / ``wgrad_supported``); everything else runs the Triton kernels.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from compiled_moe import native
 from compiled_moe.native import TMA_ALIGN as _ALIGN, hopper
 from compiled_moe.native import tma_aligned as aligned  # noqa: F401 (the ops' launch check)
 from compiled_moe.kernels.configs import (fp8_blockwise_sm90_config,
-                                          fp8_blockwise_wgrad_sm90_config, size_hint)
+                                          fp8_wgrad_sm90_config, size_hint)
 from compiled_moe.kernels.grouped_mm import _num_sms
 
 _THREADS = 384
@@ -73,10 +73,13 @@ def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, num_stages=None) -> Non
     )
 
 
+WGRAD_RECIPES = ("fp8_blockwise", "fp8_rowwise")  # fp32 scales, per 128 rows or per group
+
+
 def wgrad_supported(a_t, d_t, recipe: str, num_groups: int) -> bool:
     """Weight gradient from columnwise data, static conditions: the recipe, device, group count
     and strides (rows of 16-byte multiples: TMA's rule). Addresses are checked at launch."""
-    if recipe != "fp8_blockwise" or not enabled():
+    if recipe not in WGRAD_RECIPES or not enabled():
         return False
     if a_t.device.type != "cuda" or not hopper(a_t.device.index or 0):
         return False
@@ -101,10 +104,12 @@ def wgrad_stages(requested: int, num_groups: int, out_dtype: torch.dtype) -> int
     return n
 
 
-def scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, out, num_stages=None) -> None:
-    """out[g] (P, Q) = a_g^T @ d_g from columnwise e4m3 data a_t (P, M), d_t (Q, M) with 1x128
-    columnwise scales (P, S), (Q, S). The caller checked ``wgrad_supported``, ``aligned`` and
-    P, Q, G > 0; out (G, P, Q) is contiguous."""
+def scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe: str, out,
+                            num_stages=None) -> None:
+    """out[g] (P, Q) = a_g^T @ d_g from columnwise e4m3 data a_t (P, M), d_t (Q, M) with their
+    columnwise scales (P, S), (Q, S): 1x128 blocks (fp8_blockwise) or one per group
+    (fp8_rowwise). The caller checked ``wgrad_supported``, ``aligned`` and P, Q, G > 0; out
+    (G, P, Q) is contiguous."""
     P, M = a_t.shape
     Q = d_t.shape[0]
     G = out.shape[0]
@@ -116,14 +121,15 @@ def scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, out, num_stages=No
     es = out.element_size()
     out_map = native.tensor_map(out.data_ptr(), (Q, P, G), (out.stride(1) * es, out.stride(0) * es),
                                 (128 // es, 64, 1), _OUT_MAP_TYPES[out.dtype])
-    cfg = fp8_blockwise_wgrad_sm90_config()
+    cfg = fp8_wgrad_sm90_config()
     num_stages = wgrad_stages(num_stages or cfg.num_stages, G, out.dtype)
     num_tiles = G * -(-P // 128) * -(-Q // 128)
     native.launch_driver(
-        native.kernel("fp8_grouped_mm", "fp8_blockwise_grouped_mm_wgrad", dev),
+        native.kernel("fp8_grouped_mm", "fp8_grouped_mm_wgrad", dev),
         min(_num_sms(dev), num_tiles), _THREADS, _wgrad_shared_bytes(G, num_stages, out.dtype),
         a_map, d_map, out_map,
         a_scale, i64(a_scale.stride(0)), i32(a_scale.stride(1)),
         d_scale, i64(d_scale.stride(0)), i32(d_scale.stride(1)),
         i32(_OUT_KINDS[out.dtype]), offs.contiguous(), i32(M), i32(P), i32(Q), i32(G), i32(num_stages),
+        i32(int(recipe == "fp8_rowwise")),
     )

@@ -271,8 +271,8 @@ def _scaled_grouped_mm_wgrad(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale:
         return reference.scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe,
                                                  out_dtype)
     if _sm90().wgrad_supported(a_t, d_t, recipe, offs.shape[0]):
-        return torch.ops.compiled_moe.fp8_blockwise_grouped_mm_wgrad_sm90(a_t, d_t, a_scale, d_scale,
-                                                                          offs, out_dtype)
+        return torch.ops.compiled_moe.fp8_grouped_mm_wgrad_sm90(a_t, d_t, a_scale, d_scale, offs,
+                                                                recipe, out_dtype)
     out = a_t.new_empty((offs.shape[0], a_t.shape[0], d_t.shape[0]),
                         dtype=out_dtype or torch.bfloat16)
     _kernels()[1].scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out)
@@ -286,35 +286,39 @@ def _(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype=None):
                          dtype=out_dtype or torch.bfloat16)
 
 
-# The CUDA weight-gradient kernel of csrc/fp8_grouped_mm.cu (fp8_blockwise on Hopper), opaque
-# for the same reason as the forward's, with the same checks. It computes everything when every
-# group after the first starts at a multiple of 16 rows (TMA's rule) and nothing otherwise; the
-# Triton kernel launched after it tests the same condition on offs, on the device, and does the
-# opposite, so neither the host nor the graph needs to know which case it is (no sync).
-@torch.library.custom_op("compiled_moe::fp8_blockwise_grouped_mm_wgrad_sm90", mutates_args=(),
+# The CUDA weight-gradient kernel of csrc/fp8_grouped_mm.cu (fp8_blockwise and fp8_rowwise on
+# Hopper), opaque for the same reason as the forward's, with the same checks. It computes
+# everything when every group after the first starts at a multiple of 16 rows (TMA's rule) and
+# nothing otherwise; the Triton kernel launched after it tests the same condition on offs, on
+# the device, and does the opposite, so neither the host nor the graph needs to know which case
+# it is (no sync).
+@torch.library.custom_op("compiled_moe::fp8_grouped_mm_wgrad_sm90", mutates_args=(),
                          device_types="cuda")
-def _fp8_blockwise_grouped_mm_wgrad_sm90(a_t: Tensor, d_t: Tensor, a_scale: Tensor,
-                                         d_scale: Tensor, offs: Tensor,
-                                         out_dtype: Optional[torch.dtype] = None) -> Tensor:
-    _check_scaled_wgrad(a_t, d_t, a_scale, d_scale, offs, "fp8_blockwise", out_dtype)
+def _fp8_grouped_mm_wgrad_sm90(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale: Tensor,
+                               offs: Tensor, recipe: str,
+                               out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    _check_scaled_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype)
+    sm90 = _sm90()
+    if recipe not in sm90.WGRAD_RECIPES:
+        raise ValueError(f"recipe must be one of {sm90.WGRAD_RECIPES} for the Hopper kernel, "
+                         f"got {recipe!r}")
     (k, _), n, g = a_t.shape, d_t.shape[0], offs.shape[0]
     out = a_t.new_empty((g, k, n), dtype=out_dtype or torch.bfloat16)
     if k == 0 or n == 0 or g == 0:
         return out
     if a_t.shape[1] == 0:  # no rows: every group is empty
         return out.zero_()
-    sm90 = _sm90()
     if sm90.aligned(a_t, d_t, out):
-        sm90.scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, out)
-        _kernels()[1].scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, "fp8_blockwise",
-                                              out, only_unaligned=True)
+        sm90.scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out)
+        _kernels()[1].scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out,
+                                              only_unaligned=True)
     else:  # an unaligned view: the Triton kernel alone
-        _kernels()[1].scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, "fp8_blockwise", out)
+        _kernels()[1].scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out)
     return out
 
 
-@_fp8_blockwise_grouped_mm_wgrad_sm90.register_fake
-def _(a_t, d_t, a_scale, d_scale, offs, out_dtype=None):
-    _check_scaled_wgrad(a_t, d_t, a_scale, d_scale, offs, "fp8_blockwise", out_dtype)
+@_fp8_grouped_mm_wgrad_sm90.register_fake
+def _(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype=None):
+    _check_scaled_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype)
     return a_t.new_empty((offs.shape[0], a_t.shape[0], d_t.shape[0]),
                          dtype=out_dtype or torch.bfloat16)
