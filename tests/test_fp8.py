@@ -643,6 +643,16 @@ def test_scaled_mm_bad_inputs():
         sm90(meta["a"][:, :128], *list(meta.values())[1:])
     with pytest.raises(TypeError, match="a must have dtype"):
         sm90(torch.empty(M, K, device="meta"), *list(meta.values())[1:])
+    wgrad = torch.ops.compiled_moe.fp8_grouped_mm_wgrad_sm90
+    a_t, a_s, offs_m = xq[2].to("meta"), xq[3].to("meta"), offs.to("meta")
+    assert wgrad(a_t, a_t, a_s, a_s, offs_m, "fp8_blockwise").shape == (G, K, K)
+    with pytest.raises(ValueError, match="M must match"):
+        wgrad(a_t, a_t[:, :8], a_s, a_s, offs_m, "fp8_blockwise")
+    with pytest.raises(ValueError, match="d_scale must have shape"):
+        wgrad(a_t, a_t, a_s, a_s[:, :1], offs_m, "fp8_blockwise")
+    with pytest.raises(ValueError, match="for the Hopper kernel"):
+        mx = cm.grouped_quantize(torch.randn(M, K), offs, "mxfp8", columnwise=True)
+        wgrad(mx[2].to("meta"), mx[2].to("meta"), mx[3].to("meta"), mx[3].to("meta"), offs_m, "mxfp8")
 
 
 def test_e8m0_exponent_rule():

@@ -1,4 +1,4 @@
-"""Launchers of the Hopper FP8 blockwise grouped GEMMs in ``csrc/fp8_grouped_mm.cu`` (wgmma + TMA).
+"""Launchers of the Hopper FP8 grouped GEMMs in ``csrc/fp8_grouped_mm.cu`` (wgmma + TMA).
 
 Used on sm_90 for ``scaled_grouped_mm`` with recipe fp8_blockwise and for
 ``scaled_grouped_mm_wgrad`` with fp8_blockwise or fp8_rowwise, when the operands meet TMA's

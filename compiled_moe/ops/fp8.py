@@ -286,6 +286,13 @@ def _(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype=None):
                          dtype=out_dtype or torch.bfloat16)
 
 
+def _check_sm90_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype) -> None:
+    _check_scaled_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype)
+    recipes = _sm90().WGRAD_RECIPES
+    if recipe not in recipes:
+        raise ValueError(f"recipe must be one of {recipes} for the Hopper kernel, got {recipe!r}")
+
+
 # The CUDA weight-gradient kernel of csrc/fp8_grouped_mm.cu (fp8_blockwise and fp8_rowwise on
 # Hopper), opaque for the same reason as the forward's, with the same checks. It computes
 # everything when every group after the first starts at a multiple of 16 rows (TMA's rule) and
@@ -297,11 +304,8 @@ def _(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype=None):
 def _fp8_grouped_mm_wgrad_sm90(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale: Tensor,
                                offs: Tensor, recipe: str,
                                out_dtype: Optional[torch.dtype] = None) -> Tensor:
-    _check_scaled_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype)
+    _check_sm90_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype)
     sm90 = _sm90()
-    if recipe not in sm90.WGRAD_RECIPES:
-        raise ValueError(f"recipe must be one of {sm90.WGRAD_RECIPES} for the Hopper kernel, "
-                         f"got {recipe!r}")
     (k, _), n, g = a_t.shape, d_t.shape[0], offs.shape[0]
     out = a_t.new_empty((g, k, n), dtype=out_dtype or torch.bfloat16)
     if k == 0 or n == 0 or g == 0:
@@ -319,6 +323,6 @@ def _fp8_grouped_mm_wgrad_sm90(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scal
 
 @_fp8_grouped_mm_wgrad_sm90.register_fake
 def _(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype=None):
-    _check_scaled_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype)
+    _check_sm90_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype)
     return a_t.new_empty((offs.shape[0], a_t.shape[0], d_t.shape[0]),
                          dtype=out_dtype or torch.bfloat16)
