@@ -5,7 +5,9 @@ torch.ops.compiled_moe.grouped_quantize         e4m3 data + scales of every grou
 torch.ops.compiled_moe.scaled_grouped_mm        out = a @ b[g] per row group, FP8 operands
 torch.ops.compiled_moe.scaled_grouped_mm_wgrad  out[g] = a_g^T @ d_g from columnwise FP8 data
 
-``triton_op``s: Triton kernels on CUDA, the reference elsewhere. Layouts of data and scales are
+``triton_op``s: Triton kernels on CUDA, the reference elsewhere; on Hopper the fp8_blockwise
+GEMM and the fp8_blockwise / fp8_rowwise weight gradient call the CUDA kernels of
+``csrc/fp8_grouped_mm.cu`` through opaque custom ops (below). Layouts of data and scales are
 documented in ``reference.grouped_quantize``. None of them is differentiable: training goes
 through ``compiled_moe.fp8.fp8_grouped_mm``, whose autograd quantizes the gradients.
 """
