@@ -236,7 +236,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
 // the bf16 weight gradient's TMA-store epilogue (the tile leaves under the next tile's wgmma).
 // Groups must start at multiples of 16 rows (TMA along the rows); see the test on offs below.
 
-constexpr int WGRAD_BAND_P = 8;  // tile order: P tiles vary fastest within bands of 8
+constexpr int WGRAD_BAND_P = 8;  // tile order: see band_tile (sm90.cuh)
 
 // Where `cut`, zero the bytes of columns >= valid (0 < valid < 128) in row `row` of a 128 x
 // 128-byte tile stored with the 128-byte swizzle (16-byte chunk c of row r sits at chunk
@@ -287,7 +287,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_mm_wgrad(
   Schedule groups{scratch + 32, scratch + 32 + G, scratch + 32 + 2 * G};
 
   const int num_p = (P + BLOCK_M - 1) / BLOCK_M, num_q = (Q + BLOCK_N - 1) / BLOCK_N;
-  const int per_group = num_p * num_q, num_tiles = G * per_group;
+  const int num_tiles = G * num_p * num_q;
   const int warpgroup = threadIdx.x / 128, lane = threadIdx.x & 31;
   init_ring(full, empty, num_stages, 8);
   if (threadIdx.x == 0)
@@ -300,14 +300,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_mm_wgrad(
   for (int g = 1 + threadIdx.x; g < G; g += THREADS) misaligned |= groups.row_start[g] % 16;
   if (__syncthreads_or(misaligned)) return;
 
-  // Tile t: group t / per_group; within it, bands of WGRAD_BAND_P P tiles, P varying fastest.
-  auto tile_of = [&](int t, int& g, int& p0, int& q0) {
-    g = t / per_group;
-    const int local = t - g * per_group;
-    const int band = local / (WGRAD_BAND_P * num_q), first = band * WGRAD_BAND_P;
-    const int band_p = min(num_p - first, WGRAD_BAND_P), in_band = local - band * WGRAD_BAND_P * num_q;
-    p0 = (first + in_band % band_p) * BLOCK_M;
-    q0 = (in_band / band_p) * BLOCK_N;
+  auto tile_of = [&](int t, int& g, int& p0, int& q0) {  // tile order: band_tile
+    g = band_tile(t, num_p, num_q, WGRAD_BAND_P, p0, q0);
+    p0 *= BLOCK_M;
+    q0 *= BLOCK_N;
   };
 
   if (warpgroup == 0) {

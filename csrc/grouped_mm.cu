@@ -38,7 +38,7 @@ constexpr int FRAG = BLOCK_Q / 2;  // fp32 accumulators per consumer thread (64 
 // 2-byte outputs; fp32 outputs go in two halves of 128 columns.
 constexpr int OUT_STAGE_BYTES = 64 * BLOCK_Q * 2;  // 32 KB
 constexpr int MAX_STAGES = 8;
-constexpr int BAND_P = 8;  // tile order: see tile_of
+constexpr int BAND_P = 8;  // tile order: see band_tile (sm90.cuh)
 constexpr int THREADS = 384;
 
 // d (64 x 256 fp32, this warpgroup's fragment) += a (64 x 16) . b (16 x 256); TA / TB: 0 K-major,
@@ -146,22 +146,15 @@ __device__ __forceinline__ void grouped_mm_wgrad(
   u64* empty = full + MAX_STAGES;
 
   const int num_p = (P + BLOCK_P - 1) / BLOCK_P, num_q = (Q + BLOCK_Q - 1) / BLOCK_Q;
-  const int tiles_per_group = num_p * num_q, num_tiles = G * tiles_per_group;
+  const int num_tiles = G * num_p * num_q;
   const int warpgroup = threadIdx.x / 128;
   init_ring(full, empty, num_stages, 8);
   __syncthreads();
 
-  // Tile t: group t / tiles_per_group; within a group, bands of BAND_P tiles along P, P
-  // varying fastest in a band, so that the blocks running at once read few columns of both a
-  // and b (L2 reuse). With P varying fastest over all of P, Mixtral's fc1 (P = 28672) read a
-  // from DRAM once per Q tile: 0.99x torch._grouped_mm, 1.07x with the bands.
-  auto tile_of = [&](int t, int& g, int& p0, int& q0) {
-    g = t / tiles_per_group;
-    const int local = t - g * tiles_per_group;
-    const int band = local / (BAND_P * num_q), first = band * BAND_P;
-    const int band_p = min(num_p - first, BAND_P), in_band = local - band * BAND_P * num_q;
-    p0 = (first + in_band % band_p) * BLOCK_P;
-    q0 = (in_band / band_p) * BLOCK_Q;
+  auto tile_of = [&](int t, int& g, int& p0, int& q0) {  // tile order: band_tile
+    g = band_tile(t, num_p, num_q, BAND_P, p0, q0);
+    p0 *= BLOCK_P;
+    q0 *= BLOCK_Q;
   };
   auto group_rows = [&](int g, int& start, int& end) {
     end = min(max(offs[g], 0), M);

@@ -220,6 +220,21 @@ __device__ void build_schedule(const int* __restrict__ offs, int G, int M, int n
   }
 }
 
+// The weight gradients' tile order over G groups of num_p x num_q output tiles: tile t is in
+// group t / (num_p num_q); within a group, bands of `band` P tiles with P varying fastest, so
+// the blocks running at once read few columns of both operands (L2 reuse). With P varying
+// fastest over all of P, Mixtral's fc1 (P = 28672) read a from DRAM once per Q tile: 0.99x
+// torch._grouped_mm, 1.07x with bands of 8. Returns the group; p0, q0 are tile indices.
+__device__ __forceinline__ int band_tile(int t, int num_p, int num_q, int band, int& p0, int& q0) {
+  const int per_group = num_p * num_q;
+  const int g = t / per_group, local = t - g * per_group;
+  const int b = local / (band * num_q), first = b * band;
+  const int band_p = min(num_p - first, band), in_band = local - b * band * num_q;
+  p0 = first + in_band % band_p;
+  q0 = in_band / band_p;
+  return g;
+}
+
 struct Tile {
   int group, row0, row_end, col0;
 };
