@@ -67,9 +67,31 @@ struct StepScales {
   float s0, s1;
 };
 
+// A consumer's 64 x 128 output staged for TMA stores: 2 boxes of 64 columns (2-byte outputs)
+// or 4 of 32 (fp32), each 64 rows x 128 bytes.
+__device__ __forceinline__ int staging_boxes(int out_kind) { return out_kind == 2 ? 4 : 2; }
+
+// The epilogue of both kernels: consumer warpgroup `consumer` (thread tid_wg of 128) writes its
+// fragment into its staging boxes once the previous tile's store has read them. Returns after
+// the warpgroup's barrier, with the boxes ready for tma_store_3d (fenced) or for reading back.
+// (The row goes through an opaque move: otherwise the compiler computes the 32 staging
+// addresses once, before the tile loop, and keeps them in registers the k loop needs.)
+__device__ __forceinline__ void stage_output(unsigned char* staging, const float* acc, int out_kind, int consumer,
+                                             int tid_wg, int frag_row, int frag_col) {
+  if (tid_wg == 0) bulk_wait_read();
+  named_barrier(2 + consumer, 128);
+  int row;
+  asm volatile("mov.b32 %0, %1;" : "=r"(row) : "r"(frag_row));
+  if (out_kind == 2) stage_fragment_fp32<FRAG / 4>(staging, acc, 0, row, frag_col);
+  else stage_fragment_16bit<FRAG / 4>(staging, acc, row, frag_col, out_kind, [](int) { return make_float2(0.f, 0.f); });
+  fence_async_shared();
+  named_barrier(2 + consumer, 128);
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_mm(
     const __grid_constant__ TensorMap a_map,  // a (M, K) e4m3: dims {K, M}, box {128, 128}
     const __grid_constant__ TensorMap b_map,  // b (G, N, K) e4m3: dims {K, N, G}, box {128, 128, 1}
+    const __grid_constant__ TensorMap out_map,  // out (M, N): dims {N, M, 1}, box {128 bytes, 64, 1}
     const float* __restrict__ a_scale, long long a_scale_stride_m, int a_scale_stride_k,
     const float* __restrict__ b_scale, long long b_scale_stride_g, int b_scale_stride_n, int b_scale_stride_k,
     void* __restrict__ out, int out_kind, long long out_stride_m,  // (M, N), unit column stride
@@ -77,7 +99,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // 1024-byte alignment of every tile: the 128-byte swizzle pattern repeats every 1024 bytes.
   unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
-  u64* full = (u64*)(smem + num_stages * STAGE_BYTES);
+  const int staging_bytes = staging_boxes(out_kind) * STAGING_BOX_BYTES;
+  unsigned char* out_stage = smem + num_stages * STAGE_BYTES;
+  u64* full = (u64*)(out_stage + 2 * staging_bytes);
   u64* empty = full + MAX_STAGES;
   int* scratch = (int*)(empty + MAX_STAGES);
   Schedule sched{scratch + 32, scratch + 32 + G, scratch + 32 + 2 * G};
@@ -113,11 +137,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int consumer = warpgroup - 1;  // rows consumer*64 .. +64 of the tile
-  const int warp_in_group = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31;
-  const int frag_row = consumer * 64 + warp_in_group * 16 + lane / 4;  // and frag_row + 8
-  const int frag_col = (lane % 4) * 2;                                  // + 8 j, and + 1
-  // Two adjacent outputs in one store when every row starts at an even element.
-  const bool paired = (out_stride_m % 2) == 0;
+  const int tid_wg = threadIdx.x & 127;
+  const int warp_in_group = tid_wg / 32, lane = threadIdx.x & 31;
+  const int frag_row = warp_in_group * 16 + lane / 4;  // within the consumer's 64 rows, and + 8
+  const int frag_col = (lane % 4) * 2;                 // + 8 j, and + 1
+  unsigned char* staging = out_stage + consumer * staging_bytes;
+  const int es = out_kind == 2 ? 4 : 2;
   // Two buffers of partial products: the wgmma of step kb + 1 runs on the tensor cores while
   // this thread scales and adds step kb's. With one buffer (wait for every step's wgmma, then
   // scale) the kernel ran at 980 TFLOP/s at most on the DeepSeek-V3 fc1 shape even with no
@@ -128,7 +153,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
 
   for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const Tile tile = locate(t, sched, G, BLOCK_M, BLOCK_N);
-    const int r0 = tile.row0 + frag_row, r1 = r0 + 8;
+    const int row0 = tile.row0 + consumer * 64;
+    const int r0 = row0 + frag_row, r1 = r0 + 8;
     const float* sa0 = a_scale + (long long)min(r0, M - 1) * a_scale_stride_m;
     const float* sa1 = a_scale + (long long)min(r1, M - 1) * a_scale_stride_m;
     const float* sb = b_scale + tile.group * b_scale_stride_g + (long long)(tile.col0 / BLOCK_N) * b_scale_stride_n;
@@ -194,17 +220,34 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
       promote(part_a, stage_a, s_a);
     }
 
-    // Fragment: acc[4j + 0..1] are (r0, c .. c+1), acc[4j + 2..3] are (r1, ...), c = col0 + 8j + frag_col.
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = half ? r1 : r0;
-      if (r >= tile.row_end) continue;
-#pragma unroll
-      for (int j = 0; j < FRAG / 4; ++j)
-        store_pair(out, out_kind, (long long)r * out_stride_m, tile.col0 + 8 * j + frag_col, N,
-                   paired, acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+    // Epilogue: 64 rows inside the group leave by TMA store (clipped at N), which runs on under
+    // the next tile's wgmma; a group's last rows by 16-byte stores of whole rows that stop at
+    // the group's end (TMA would write the next group's rows). Storing from registers instead
+    // (4-byte stores, 8 rows per warp instruction) took 1.01-1.27x this version's time on 13
+    // of the 16 bench_fp8 shapes, most where K is short (Qwen3 fc2 1.27x, DeepSeek-V3 fc2
+    // 1.09-1.13x), and 0.99-1.00x on the other three (H200).
+    stage_output(staging, acc, out_kind, consumer, tid_wg, frag_row, frag_col);
+    if (row0 + 64 <= tile.row_end) {
+      if (tid_wg == 0) {
+        for (int box = 0; box < staging_boxes(out_kind); ++box)
+          if (tile.col0 + box * (128 / es) < N)
+            tma_store_3d(&out_map, staging + box * STAGING_BOX_BYTES, tile.col0 + box * (128 / es), row0, 0);
+        bulk_commit();
+      }
+    } else {
+      // Lane l copies 16-byte chunk c = l % chunks of a row (box c / 8, chunk c % 8 swizzled),
+      // 32 / chunks rows per warp instruction; N is a multiple of 8 (16 bytes of bf16).
+      const int chunks = 8 * es, c = lane % chunks, col = tile.col0 + c * (16 / es);
+      for (int row = warp_in_group * (32 / chunks) + lane / chunks; row < 64; row += 128 / chunks) {
+        const int r = row0 + row;
+        uint4 v;
+        const u32 addr = smem_addr(staging) + row * 128 + (c / 8) * STAGING_BOX_BYTES + (((c % 8) ^ (row & 7)) * 16);
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+        if (r < tile.row_end && col < N) *(uint4*)((unsigned char*)out + ((long long)r * out_stride_m + col) * es) = v;
+      }
     }
   }
+  if (tid_wg == 0) bulk_wait();
 
   // Rows past the last group are defined as 0.
   const int rows_end = sched.row_end[G - 1];
@@ -275,8 +318,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_mm_wgrad(
     int scale_per_group) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
-  // A consumer's 64 x 128 output: 2 boxes of 64 columns (2-byte outputs) or 4 of 32 (fp32).
-  const int staging_bytes = out_kind == 2 ? 4 * STAGING_BOX_BYTES : 2 * STAGING_BOX_BYTES;
+  const int staging_bytes = staging_boxes(out_kind) * STAGING_BOX_BYTES;
   unsigned char* out_stage = smem + num_stages * STAGE_BYTES;
   u64* full = (u64*)(out_stage + 2 * staging_bytes);
   u64* empty = full + MAX_STAGES;
@@ -460,22 +502,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_mm_wgrad(
       }
     }
 
-    // Epilogue (empty groups store zeros): the fragment goes to this consumer's staging boxes
-    // once the previous tile's store has read them, then one thread stores them by TMA, which
+    // Epilogue (empty groups store zeros): one thread stores the staged tile by TMA, which
     // clips rows past P and columns past Q; the store runs on under the next tile's wgmma.
-    // (The row goes through an opaque move: otherwise the compiler computes the 32 staging
-    // addresses once, before the tile loop, and keeps them in registers the k loop needs.)
-    if (tid_wg == 0) bulk_wait_read();
-    named_barrier(2 + consumer, 128);
-    int row;
-    asm volatile("mov.b32 %0, %1;" : "=r"(row) : "r"(frag_row));
-    if (out_kind == 2) stage_fragment_fp32<FRAG / 4>(staging, acc, 0, row, frag_col);
-    else stage_fragment_16bit<FRAG / 4>(staging, acc, row, frag_col, out_kind, [](int) { return make_float2(0.f, 0.f); });
-    fence_async_shared();
-    named_barrier(2 + consumer, 128);
+    stage_output(staging, acc, out_kind, consumer, tid_wg, frag_row, frag_col);
     if (tid_wg == 0) {
-      const int box_cols = out_kind == 2 ? 32 : 64, boxes = out_kind == 2 ? 4 : 2, row0 = p0 + consumer * 64;
-      for (int box = 0; box < boxes; ++box)
+      const int box_cols = out_kind == 2 ? 32 : 64, row0 = p0 + consumer * 64;
+      for (int box = 0; box < staging_boxes(out_kind); ++box)
         if (q0 + box * box_cols < Q && row0 < P)
           tma_store_3d(&out_map, staging + box * STAGING_BOX_BYTES, q0 + box * box_cols, row0, g);
       bulk_commit();

@@ -168,18 +168,6 @@ __device__ __forceinline__ void stage_fragment_fp32(unsigned char* staging, cons
   }
 }
 
-// out[row_offset + c] and [.. + c + 1] (c even), masked at N.
-__device__ __forceinline__ void store_pair(void* out, int out_kind, long long row_offset, int c, int N,
-                                           bool paired, float lo, float hi) {
-  if (paired && c + 1 < N) {
-    if (out_kind == 2) *(float2*)((float*)out + row_offset + c) = make_float2(lo, hi);
-    else *(u32*)((unsigned short*)out + row_offset + c) = pack_half2(out_kind, lo, hi);
-    return;
-  }
-  if (c < N) store_one(out, out_kind, row_offset + c, lo);
-  if (c + 1 < N) store_one(out, out_kind, row_offset + c + 1, hi);
-}
-
 // The tile list of all groups, in shared memory: tile_end[g] is the inclusive prefix over groups
 // of (row tiles x column tiles); row_start / row_end are the group's rows clamped to [0, M).
 struct Schedule {

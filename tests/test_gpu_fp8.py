@@ -158,6 +158,24 @@ def test_fp8_blockwise_cuda_kernel_unaligned_view_falls_back():
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-3 * want.abs().max().item())
 
 
+def test_fp8_blockwise_n_not_multiple_of_8_runs_triton():
+    """N % 8 != 0: the output's rows do not start at 16-byte multiples (TMA stores), so the
+    Triton kernel runs, and agrees with the reference."""
+    from compiled_moe.kernels import scaled_grouped_mm_sm90 as sm90
+    M, K, N, G = 300, 512, 100, 3
+    torch.manual_seed(5)
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device=DEV, dtype=torch.bfloat16) / K ** 0.5
+    offs = skewed_offsets(M, G, seed=4, tail=7)
+    xq = cm.grouped_quantize(x, offs, "fp8_blockwise")
+    wq = cm.grouped_quantize(w, None, "fp8_blockwise")
+    args = (xq[0], wq[0].mT, xq[1], wq[1], offs, "fp8_blockwise")
+    assert not sm90.supported(xq[0], wq[0].mT, "fp8_blockwise")
+    got = torch.ops.compiled_moe.scaled_grouped_mm(*args, torch.float32)
+    want = R.scaled_grouped_mm(*args, torch.float32)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
+
+
 def test_fp8_blockwise_cuda_op_opcheck():
     M, K, N, G = 256, 512, 256, 4
     offs = skewed_offsets(M, G, seed=3)

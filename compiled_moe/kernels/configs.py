@@ -278,9 +278,12 @@ def fp8_blockwise_sm90_config(m: int, n: int, k: int, groups: int) -> TileConfig
     """Tile of the CUDA FP8 blockwise kernel (csrc/fp8_grouped_mm.cu): BLOCK_M and BLOCK_K are
     fixed at 128 (two consumer warpgroups of 64 rows, one scale block per k step); so is
     BLOCK_N (two 64 x 128 fp32 buffers of partial products and the accumulator fill a
-    consumer thread's registers). m is the token-count hint."""
+    consumer thread's registers). m is the token-count hint.
+
+    5 stages, not 6: with the output staging beside the ring, 6 stages leave the least L1 for
+    the scale loads; 5 ran 1.00-1.06x the speed of 6 on all 16 bench_fp8 shapes (H200)."""
     def heuristic():
-        return TileConfig(block_m=128, block_n=128, block_k=128, num_warps=12, num_stages=6)
+        return TileConfig(block_m=128, block_n=128, block_k=128, num_warps=12, num_stages=5)
 
     return _choose("fp8_blockwise_sm90", (m, n, k, groups), "cuda", heuristic)
 

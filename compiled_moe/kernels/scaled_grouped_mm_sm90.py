@@ -38,15 +38,26 @@ def supported(a, b, recipe: str) -> bool:
         return False
     if a.device.type != "cuda" or not hopper(a.device.index or 0):
         return False
-    k = a.shape[1]
-    return (k % _ALIGN == 0 and b.shape[0] <= MAX_GROUPS
+    k, n = a.shape[1], b.shape[2]
+    # n % 8: the output's rows (bf16 or wider) start at 16-byte multiples, for its TMA stores.
+    return (k % _ALIGN == 0 and n % 8 == 0 and b.shape[0] <= MAX_GROUPS
             and a.stride(1) == 1 and a.stride(0) % _ALIGN == 0
             and b.stride(1) == 1 and b.stride(2) % _ALIGN == 0 and b.stride(0) % _ALIGN == 0)
 
 
-def _shared_bytes(num_groups: int, num_stages: int) -> int:
-    # ring of 32 KB stages + 1024 alignment slack + 2 x 8 mbarriers + 32 scan ints + 3 ints per group
-    return num_stages * 2 * 128 * 128 + 1024 + 2 * 8 * 8 + 4 * (32 + 3 * num_groups)
+def _shared_bytes(num_groups: int, num_stages: int, out_dtype: torch.dtype) -> int:
+    # ring of 32 KB stages + the two consumers' 64 x 128 output staging + 1024 alignment slack
+    # + 2 x 8 mbarriers + 32 scan ints + 3 ints per group
+    staging = 2 * 64 * 128 * out_dtype.itemsize
+    return num_stages * _STAGE_BYTES + staging + 1024 + 2 * 8 * 8 + 4 * (32 + 3 * num_groups)
+
+
+def fit_stages(requested: int, shared_bytes) -> int:
+    """The requested ring depth, less where shared_bytes(stages) does not fit in a block."""
+    n = requested
+    while n > 2 and shared_bytes(n) > _SHARED_LIMIT:
+        n -= 1
+    return n
 
 
 def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, num_stages=None) -> None:
@@ -58,14 +69,18 @@ def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, num_stages=None) -> Non
     i32, i64 = native.int32, native.int64
     a_map = native.tensor_map(a.data_ptr(), (K, M), (a.stride(0),), (128, 128))
     cfg = fp8_blockwise_sm90_config(size_hint(M), N, K, G)
-    num_stages = num_stages or cfg.num_stages
+    shared = lambda n: _shared_bytes(G, n, out.dtype)  # noqa: E731
+    num_stages = fit_stages(num_stages or cfg.num_stages, shared)
     b_map = native.tensor_map(b.data_ptr(), (K, N, G), (b.stride(2), b.stride(0)), (128, 128, 1))
+    es = out.element_size()
+    out_map = native.tensor_map(out.data_ptr(), (N, M, 1), (out.stride(0) * es, out.stride(0) * es * M),
+                                (128 // es, 64, 1), _OUT_MAP_TYPES[out.dtype])
     offs = offs.contiguous()
     grid = _num_sms(dev)
     native.launch_driver(
         native.kernel("fp8_grouped_mm", "fp8_blockwise_grouped_mm", dev),
-        grid, _THREADS, _shared_bytes(G, num_stages),
-        a_map, b_map,
+        grid, _THREADS, shared(num_stages),
+        a_map, b_map, out_map,
         a_scale, i64(a_scale.stride(0)), i32(a_scale.stride(1)),
         b_scale, i64(b_scale.stride(0)), i32(b_scale.stride(1)), i32(b_scale.stride(2)),
         out, i32(_OUT_KINDS[out.dtype]), i64(out.stride(0)),
@@ -98,10 +113,7 @@ def _wgrad_shared_bytes(num_groups: int, num_stages: int, out_dtype: torch.dtype
 def wgrad_stages(requested: int, num_groups: int, out_dtype: torch.dtype) -> int:
     """The requested ring depth, less where it does not fit beside the output staging and the
     groups' table (fp32 outputs stage twice the bytes of bf16)."""
-    n = requested
-    while n > 2 and _wgrad_shared_bytes(num_groups, n, out_dtype) > _SHARED_LIMIT:
-        n -= 1
-    return n
+    return fit_stages(requested, lambda n: _wgrad_shared_bytes(num_groups, n, out_dtype))
 
 
 def scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe: str, out,
