@@ -250,6 +250,26 @@ def _driver_function(function, device_index: int):
     return driver.CUfunction(int(function.handle))
 
 
+@functools.lru_cache(maxsize=None)
+def max_active_clusters(function, block: int, shared_bytes: int, grid: int) -> int:
+    """How many clusters of a kernel compiled with __cluster_dims__ fit on the device at once: a
+    persistent grid must not ask for more (the rest would run after the first ones finish). A
+    cluster's CTAs share a GPC, so with one CTA per SM this can be below SMs / cluster size."""
+    from cuda.bindings import driver
+
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+    config.sharedMemBytes = shared_bytes
+    config.hStream = driver.CUstream(_current_raw_stream(torch.cuda.current_device()))
+    config.numAttrs = 0
+    err, count = driver.cuOccupancyMaxActiveClusters(_driver_function(function, torch.cuda.current_device()),
+                                                     config)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters failed: {err}")
+    return int(count)
+
+
 def launch_driver(function, grid: int, block: int, shared_bytes: int, *args) -> None:
     """Launch on torch's current stream; args are ctypes values (TensorMap, c_int32, c_uint64...)
     or tensors (passed as pointers)."""

@@ -88,17 +88,20 @@ __device__ __forceinline__ void stage_output(unsigned char* staging, const float
   named_barrier(2 + consumer, 128);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_mm(
-    const __grid_constant__ TensorMap a_map,  // a (M, K) e4m3: dims {K, M}, box {128, 128}
-    const __grid_constant__ TensorMap b_map,  // b (G, N, K) e4m3: dims {K, N, G}, box {128, 128, 1}
-    const __grid_constant__ TensorMap out_map,  // out (M, N): dims {N, M, 1}, box {128 bytes, 64, 1}
+// CLUSTER 2: the two CTAs of a cluster compute the two 128-column halves of a 128 x 256 tile
+// (tiles are walked in pairs of column tiles) and each loads half of the shared a tile (64 rows)
+// by TMA multicast into both; a stage goes back to the producers once the consumers of both CTAs
+// have released it.
+template <int CLUSTER>
+__device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
+    const TensorMap& a_map, const TensorMap& b_map, const TensorMap& out_map,
     const float* __restrict__ a_scale, long long a_scale_stride_m, int a_scale_stride_k,
     const float* __restrict__ b_scale, long long b_scale_stride_g, int b_scale_stride_n, int b_scale_stride_k,
-    void* __restrict__ out, int out_kind, long long out_stride_m,  // (M, N), unit column stride
+    void* __restrict__ out, int out_kind, long long out_stride_m,
     const int* __restrict__ offs, int M, int N, int K, int G, int num_stages) {
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  extern __shared__ __align__(1024) unsigned char fwd_smem_raw[];
   // 1024-byte alignment of every tile: the 128-byte swizzle pattern repeats every 1024 bytes.
-  unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
+  unsigned char* smem = (unsigned char*)(((u64)fwd_smem_raw + 1023) & ~1023ull);
   const int staging_bytes = staging_boxes(out_kind) * STAGING_BOX_BYTES;
   unsigned char* out_stage = smem + num_stages * STAGE_BYTES;
   u64* full = (u64*)(out_stage + 2 * staging_bytes);
@@ -106,12 +109,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
   int* scratch = (int*)(empty + MAX_STAGES);
   Schedule sched{scratch + 32, scratch + 32 + G, scratch + 32 + 2 * G};
 
-  const int num_n = (N + BLOCK_N - 1) / BLOCK_N;
+  const int tile_n = BLOCK_N * CLUSTER;  // the columns of the tiles the schedule walks
+  const int num_n = (N + tile_n - 1) / tile_n;
   const int num_kb = (K + BLOCK_K - 1) / BLOCK_K;
   const int warpgroup = threadIdx.x / 128;
-  init_ring(full, empty, num_stages, 8);
+  const u32 rank = CLUSTER > 1 ? cluster_rank() : 0;
+  const int first_tile = blockIdx.x / CLUSTER, tile_step = gridDim.x / CLUSTER;
+  init_ring(full, empty, num_stages, 8 * CLUSTER);
   build_schedule(offs, G, M, num_n, BLOCK_M, sched, scratch);  // ends with __syncthreads
+  if (CLUSTER > 1) cluster_sync();  // the peer's barriers are initialized before it is sent bytes
   const int num_tiles = sched.tile_end[G - 1];
+  // This CTA's tile: the schedule's, columns shifted to its half.
+  auto my_tile = [&](int t) {
+    Tile tile = locate(t, sched, G, BLOCK_M, tile_n);
+    tile.col0 += BLOCK_N * rank;
+    return tile;
+  };
 
   if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
@@ -120,18 +133,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
       asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&b_map) : "memory");
       int stage = 0;
       u32 phase = 0;
-      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        const Tile tile = locate(t, sched, G, BLOCK_M, BLOCK_N);
+      for (int t = first_tile; t < num_tiles; t += tile_step) {
+        const Tile tile = my_tile(t);
         for (int kb = 0; kb < num_kb; ++kb) {
           mbar_wait(&empty[stage], phase ^ 1);
           unsigned char* dst = smem + stage * STAGE_BYTES;
           mbar_expect_tx(&full[stage], STAGE_BYTES);
-          tma_load_2d(dst, &a_map, &full[stage], kb * BLOCK_K, tile.row0);
+          if constexpr (CLUSTER > 1)  // a's box is 64 rows: this CTA's half, to both CTAs
+            tma_load_2d_multicast(dst + rank * (TILE_BYTES / 2), &a_map, &full[stage], kb * BLOCK_K,
+                                  tile.row0 + 64 * rank, (unsigned short)((1 << CLUSTER) - 1));
+          else
+            tma_load_2d(dst, &a_map, &full[stage], kb * BLOCK_K, tile.row0);
+          // Columns past N (the second half of the last pair) load as zeros.
           tma_load_3d(dst + TILE_BYTES, &b_map, &full[stage], kb * BLOCK_K, tile.col0, tile.group);
           if (++stage == num_stages) { stage = 0; phase ^= 1; }
         }
       }
     }
+    if (CLUSTER > 1) cluster_sync();
     return;
   }
 
@@ -151,13 +170,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
   int stage = 0;
   u32 phase = 0;
 
-  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    const Tile tile = locate(t, sched, G, BLOCK_M, BLOCK_N);
+  for (int t = first_tile; t < num_tiles; t += tile_step) {
+    const Tile tile = my_tile(t);
     const int row0 = tile.row0 + consumer * 64;
     const int r0 = row0 + frag_row, r1 = r0 + 8;
     const float* sa0 = a_scale + (long long)min(r0, M - 1) * a_scale_stride_m;
     const float* sa1 = a_scale + (long long)min(r1, M - 1) * a_scale_stride_m;
-    const float* sb = b_scale + tile.group * b_scale_stride_g + (long long)(tile.col0 / BLOCK_N) * b_scale_stride_n;
+    const float* sb = b_scale + tile.group * b_scale_stride_g +
+                      (long long)(min(tile.col0, N - 1) / BLOCK_N) * b_scale_stride_n;
     auto scales = [&](int kb) {
       const float b = sb[kb * b_scale_stride_k];
       return StepScales{sa0[kb * a_scale_stride_k] * b, sa1[kb * a_scale_stride_k] * b};
@@ -181,6 +201,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
     auto promote = [&](const float* part, int part_stage, StepScales sc) {
       fence_registers<FRAG>(const_cast<float*>(part));
       mbar_arrive_if(&empty[part_stage], lane == 0);
+      if constexpr (CLUSTER > 1) mbar_arrive_remote_if(&empty[part_stage], rank ^ 1, lane == 0);
 #pragma unroll
       for (int j = 0; j < FRAG / 4; ++j) {
         acc[4 * j + 0] = fmaf(part[4 * j + 0], sc.s0, acc[4 * j + 0]);
@@ -256,7 +277,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_blockwise_grouped_m
     const long long r = rows_end + i / N, c = i % N;
     store_one(out, out_kind, r * out_stride_m + c, 0.f);
   }
+  // The peer may still arrive on this CTA's barriers until its consumers are done.
+  if (CLUSTER > 1) cluster_sync();
 }
+
+#define FP8_BLOCKWISE_KERNEL(NAME, CLUSTER, ATTRS)                                                         \
+  extern "C" __global__ void __launch_bounds__(THREADS, 1) ATTRS NAME(                                     \
+      const __grid_constant__ TensorMap a_map, /* a (M, K) e4m3: dims {K, M}, box {128, 128 / CLUSTER} */  \
+      const __grid_constant__ TensorMap b_map, /* b (G, N, K) e4m3: dims {K, N, G}, box {128, 128, 1} */    \
+      const __grid_constant__ TensorMap out_map, /* out (M, N): dims {N, M, 1}, box {128 bytes, 64, 1} */   \
+      const float* __restrict__ a_scale, long long a_scale_stride_m, int a_scale_stride_k,                 \
+      const float* __restrict__ b_scale, long long b_scale_stride_g, int b_scale_stride_n,                 \
+      int b_scale_stride_k, void* __restrict__ out, int out_kind, long long out_stride_m,                  \
+      const int* __restrict__ offs, int M, int N, int K, int G, int num_stages) {                          \
+    fp8_blockwise_grouped_mm_body<CLUSTER>(a_map, b_map, out_map, a_scale, a_scale_stride_m,               \
+                                           a_scale_stride_k, b_scale, b_scale_stride_g, b_scale_stride_n,  \
+                                           b_scale_stride_k, out, out_kind, out_stride_m, offs, M, N, K,   \
+                                           G, num_stages);                                                 \
+  }
+
+FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm, 1, )
+// Launched on an even grid.
+FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm_x2, 2, __cluster_dims__(2, 1, 1))
 
 // ---------------------------------------------------------------------------------------------
 // fp8_grouped_mm_wgrad: the weight gradient from columnwise data,

@@ -100,14 +100,17 @@ def test_scaled_gemms_match_reference(recipe, shape):
                 assert (got.double() - exact).norm() / exact.norm() < 0.06, name
 
 
-@pytest.mark.parametrize("shape", [
+CUDA_FORWARD_SHAPES = [  # M, K, N, G, group-size multiple, rows past the last group
     (4096, 2048, 1536, 32, 16, 32),  # routing padding, rows past the last group
     (4096, 2048, 1536, 32, 1, 37),   # groups start anywhere: tiles load the next group's rows
-    (1000, 2880, 2880, 6, 1, 5),     # K = 22.5 x 128: a half k step
+    (1000, 2880, 2880, 6, 1, 5),     # K = 22.5 x 128: a half k step; 23 column tiles (odd)
     (517, 784, 200, 5, 1, 11),       # N not a multiple of the 128-column tile
-    (3, 256, 128, 4, 1, 0),          # fewer rows than one tile, empty groups
+    (3, 256, 128, 4, 1, 0),          # fewer rows than one tile, empty groups, one column tile
     (2048, 768, 2048, 128, 1, 3),    # many groups, most of one tile or less
-])
+]
+
+
+@pytest.mark.parametrize("shape", CUDA_FORWARD_SHAPES)
 def test_fp8_blockwise_cuda_kernel_matches_reference_and_triton(shape, monkeypatch):
     """The CUDA kernel of csrc/fp8_grouped_mm.cu (the fp8_blockwise path on Hopper) against
     the reference and the Triton kernel, every output dtype, with no host sync."""
@@ -138,6 +141,30 @@ def test_fp8_blockwise_cuda_kernel_matches_reference_and_triton(shape, monkeypat
         # cores' internal sums can differ.
         torch.testing.assert_close(got, triton_out, rtol=1e-2, atol=1e-3 * scale, msg=str(out_dtype))
         assert (got[offs[-1]:] == 0).all()
+
+
+@pytest.mark.parametrize("shape", CUDA_FORWARD_SHAPES)
+def test_fp8_blockwise_cuda_cluster_kernel_matches_single_cta_bitwise(shape):
+    """The 2-CTA cluster kernel (a tiles shared by TMA multicast, column tiles in pairs) computes
+    every element as the one-CTA kernel does: the same products in the same order, so the same
+    bits, in every output dtype; every element written (outputs start as NaN)."""
+    from compiled_moe.kernels import scaled_grouped_mm_sm90 as sm90
+    M, K, N, G, multiple, tail = shape
+    torch.manual_seed(M + N)
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device=DEV, dtype=torch.bfloat16) / K ** 0.5
+    offs = skewed_offsets(M, G, seed=M + 1, tail=tail, multiple=multiple)
+    xq = cm.grouped_quantize(x, offs, "fp8_blockwise")
+    wq = cm.grouped_quantize(w, None, "fp8_blockwise")
+    for out_dtype in (torch.bfloat16, torch.float32):
+        outs = []
+        for cluster in (1, 2):
+            out = torch.full((M, N), float("nan"), device=DEV, dtype=out_dtype)
+            with no_sync():
+                sm90.scaled_grouped_mm(xq[0], wq[0].mT, xq[1], wq[1], offs, out, cluster=cluster)
+            outs.append(out)
+        assert not torch.isnan(outs[1].float()).any()
+        assert torch.equal(outs[0], outs[1]), out_dtype
 
 
 def test_fp8_blockwise_cuda_kernel_unaligned_view_falls_back():

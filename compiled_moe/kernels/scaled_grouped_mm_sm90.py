@@ -60,15 +60,21 @@ def fit_stages(requested: int, shared_bytes) -> int:
     return n
 
 
-def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, num_stages=None) -> None:
+_CLUSTER_KERNELS = {1: "fp8_blockwise_grouped_mm", 2: "fp8_blockwise_grouped_mm_x2"}
+
+
+def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, num_stages=None, cluster=None) -> None:
     """out (M, N) = a (M, K) @ b (G, K, N), e4m3 K-major operands with blockwise scales.
-    The caller checked ``supported``, ``aligned`` and M, N, K > 0."""
+    The caller checked ``supported``, ``aligned`` and M, N, K > 0. cluster (1 or 2; default:
+    the config's): CTAs that share each a tile by TMA multicast."""
     M, K = a.shape
     G, _, N = b.shape
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
     i32, i64 = native.int32, native.int64
-    a_map = native.tensor_map(a.data_ptr(), (K, M), (a.stride(0),), (128, 128))
     cfg = fp8_blockwise_sm90_config(size_hint(M), N, K, G)
+    cluster = cluster or cfg.cluster
+    # With a cluster, each CTA loads its 128 // cluster rows of the a tile into every CTA.
+    a_map = native.tensor_map(a.data_ptr(), (K, M), (a.stride(0),), (128, 128 // cluster))
     shared = lambda n: _shared_bytes(G, n, out.dtype)  # noqa: E731
     num_stages = fit_stages(num_stages or cfg.num_stages, shared)
     b_map = native.tensor_map(b.data_ptr(), (K, N, G), (b.stride(2), b.stride(0)), (128, 128, 1))
@@ -76,10 +82,12 @@ def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, num_stages=None) -> Non
     out_map = native.tensor_map(out.data_ptr(), (N, M, 1), (out.stride(0) * es, out.stride(0) * es * M),
                                 (128 // es, 64, 1), _OUT_MAP_TYPES[out.dtype])
     offs = offs.contiguous()
-    grid = _num_sms(dev)
+    kernel = native.kernel("fp8_grouped_mm", _CLUSTER_KERNELS[cluster], dev)
+    grid = _num_sms(dev) // cluster * cluster
+    if cluster > 1:
+        grid = min(grid, cluster * native.max_active_clusters(kernel, _THREADS, shared(num_stages), grid))
     native.launch_driver(
-        native.kernel("fp8_grouped_mm", "fp8_blockwise_grouped_mm", dev),
-        grid, _THREADS, shared(num_stages),
+        kernel, grid, _THREADS, shared(num_stages),
         a_map, b_map, out_map,
         a_scale, i64(a_scale.stride(0)), i32(a_scale.stride(1)),
         b_scale, i64(b_scale.stride(0)), i32(b_scale.stride(1)), i32(b_scale.stride(2)),
