@@ -350,16 +350,21 @@ __device__ __forceinline__ void cut_row(unsigned char* tile, int row, int valid,
       : "memory");
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_mm_wgrad(
-    const __grid_constant__ TensorMap a_map,    // a_t (P, M) e4m3: dims {M, P}, box {128, 128}
-    const __grid_constant__ TensorMap d_map,    // d_t (Q, M) e4m3: dims {M, Q}, box {128, 128}
-    const __grid_constant__ TensorMap out_map,  // out (G, P, Q): dims {Q, P, G}, box {128 bytes, 64, 1}
+// TWO_BUFFERS: as the forward, chunk s + 1's wgmma runs while chunk s is promoted. One buffer
+// (wait for each chunk's wgmma, then promote it; the other consumer's wgmma fill the tensor
+// cores meanwhile) frees 64 registers: the two-buffer loop spills (ptxas: 96 bytes), the
+// one-buffer loop does not, and where groups are short (1-2 chunks a tile: Qwen3, GPT-OSS) it
+// ran 1.01-1.08x the two-buffer kernel; with 8 chunks a tile (DeepSeek-V3, Mixtral) 0.95-1.03x
+// (H200, same run).
+template <bool TWO_BUFFERS>
+__device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
+    const TensorMap& a_map, const TensorMap& d_map, const TensorMap& out_map,
     const float* __restrict__ a_scale, long long a_scale_stride_p, int a_scale_stride_s,
     const float* __restrict__ d_scale, long long d_scale_stride_q, int d_scale_stride_s,
     int out_kind, const int* __restrict__ offs, int M, int P, int Q, int G, int num_stages,
     int scale_per_group) {
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
+  extern __shared__ __align__(1024) unsigned char wgrad_smem_raw[];
+  unsigned char* smem = (unsigned char*)(((u64)wgrad_smem_raw + 1023) & ~1023ull);
   const int staging_bytes = staging_boxes(out_kind) * STAGING_BOX_BYTES;
   unsigned char* out_stage = smem + num_stages * STAGE_BYTES;
   u64* full = (u64*)(out_stage + 2 * staging_bytes);
@@ -519,28 +524,36 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_mm_wgrad(
 
 #pragma unroll
     for (int i = 0; i < FRAG; ++i) acc[i] = 0.f;
-    if (steps > 0) {
-      // Steady state, two chunks per turn so both buffers keep fixed registers: issue chunk
-      // s + 1, wait until only it is in flight, promote chunk s.
-      int stage_a = issue(part_a), stage_b;
-      int s = 0;
-      for (; s + 2 < steps; s += 2) {
-        stage_b = issue(part_b);
-        wgmma_wait<1>();
-        promote(part_a, stage_a);
-        stage_a = issue(part_a);
-        wgmma_wait<1>();
-        promote(part_b, stage_b);
+    if constexpr (TWO_BUFFERS) {
+      if (steps > 0) {
+        // Steady state, two chunks per turn so both buffers keep fixed registers: issue chunk
+        // s + 1, wait until only it is in flight, promote chunk s.
+        int stage_a = issue(part_a), stage_b;
+        int s = 0;
+        for (; s + 2 < steps; s += 2) {
+          stage_b = issue(part_b);
+          wgmma_wait<1>();
+          promote(part_a, stage_a);
+          stage_a = issue(part_a);
+          wgmma_wait<1>();
+          promote(part_b, stage_b);
+        }
+        if (s + 1 < steps) {
+          stage_b = issue(part_b);
+          wgmma_wait<1>();
+          promote(part_a, stage_a);
+          wgmma_wait<0>();
+          promote(part_b, stage_b);
+        } else {
+          wgmma_wait<0>();
+          promote(part_a, stage_a);
+        }
       }
-      if (s + 1 < steps) {
-        stage_b = issue(part_b);
-        wgmma_wait<1>();
-        promote(part_a, stage_a);
+    } else {
+      for (int s = 0; s < steps; ++s) {
+        const int issued = issue(part_a);
         wgmma_wait<0>();
-        promote(part_b, stage_b);
-      } else {
-        wgmma_wait<0>();
-        promote(part_a, stage_a);
+        promote(part_a, issued);
       }
     }
 
@@ -557,3 +570,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_mm_wgrad(
   }
   if (tid_wg == 0) bulk_wait();
 }
+
+#define FP8_WGRAD_KERNEL(NAME, TWO_BUFFERS)                                                                \
+  extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                          \
+      const __grid_constant__ TensorMap a_map,   /* a_t (P, M) e4m3: dims {M, P}, box {128, 128} */        \
+      const __grid_constant__ TensorMap d_map,   /* d_t (Q, M) e4m3: dims {M, Q}, box {128, 128} */        \
+      const __grid_constant__ TensorMap out_map, /* out (G, P, Q): dims {Q, P, G}, box {128 B, 64, 1} */   \
+      const float* __restrict__ a_scale, long long a_scale_stride_p, int a_scale_stride_s,                 \
+      const float* __restrict__ d_scale, long long d_scale_stride_q, int d_scale_stride_s,                 \
+      int out_kind, const int* __restrict__ offs, int M, int P, int Q, int G, int num_stages,              \
+      int scale_per_group) {                                                                               \
+    fp8_grouped_mm_wgrad_body<TWO_BUFFERS>(a_map, d_map, out_map, a_scale, a_scale_stride_p,               \
+                                           a_scale_stride_s, d_scale, d_scale_stride_q, d_scale_stride_s,  \
+                                           out_kind, offs, M, P, Q, G, num_stages, scale_per_group);       \
+  }
+
+FP8_WGRAD_KERNEL(fp8_grouped_mm_wgrad, true)
+FP8_WGRAD_KERNEL(fp8_grouped_mm_wgrad_1buf, false)

@@ -17,7 +17,9 @@ pytest.importorskip("cuda.core")
 # Kernel -> the wgmma its SASS must hold (at least once per pipelined step of each loop).
 KERNELS = {
     "fp8_grouped_mm": {"fp8_blockwise_grouped_mm": "QGMMA.64x128x32.F32.E4M3.E4M3",
-                       "fp8_grouped_mm_wgrad": "QGMMA.64x128x32.F32.E4M3.E4M3"},
+                       "fp8_blockwise_grouped_mm_x2": "QGMMA.64x128x32.F32.E4M3.E4M3",
+                       "fp8_grouped_mm_wgrad": "QGMMA.64x128x32.F32.E4M3.E4M3",
+                       "fp8_grouped_mm_wgrad_1buf": "QGMMA.64x128x32.F32.E4M3.E4M3"},
     "grouped_mm": {
         "grouped_mm_bf16": "HGMMA.64x256x16.F32.BF16",
         "grouped_mm_bf16_nmajor": "HGMMA.64x256x16.F32.BF16",
@@ -28,11 +30,12 @@ KERNELS = {
     },
 }
 
-# Spill stores a kernel may have (bytes). The FP8 weight gradient holds three 64-float
-# fragments (the sum and two buffers of partial products) beside the 32 column scales each
-# chunk's promotion reads, and its helper warps' loop: ptxas spills 128 bytes (see RESULTS.md
-# for the kernel's speed with them; getting them out is open work). Any growth fails here.
+# Spill stores a kernel may have (bytes). The two-buffer FP8 weight gradient holds three
+# 64-float fragments (the sum and two buffers of partial products) beside the 32 column scales
+# each chunk's promotion reads: ptxas spills 96-128 bytes of its consumers' registers (the
+# one-buffer kernel, which has 64 registers fewer, spills none). Any growth fails here.
 SPILL_STORES_ALLOWED = {"fp8_grouped_mm_wgrad": 128}
+WAITS_FOR_EACH_STEP = {"fp8_grouped_mm_wgrad_1buf"}
 
 
 def _sass_by_function(cubin_path: str) -> dict[str, str]:
@@ -68,8 +71,10 @@ def test_kernels_compile_without_spills_or_wgmma_serialization(source, tmp_path)
     for kernel, wgmma in KERNELS[source].items():
         sass = functions[kernel]
         assert sass.count(wgmma) >= 4, kernel
-        # Each steady-state step waits with one step still in flight.
-        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass, kernel
+        # Each steady-state step waits with one step still in flight (the one-buffer FP8
+        # weight gradient waits for each chunk by design: its other warpgroup's wgmma run then).
+        if kernel not in WAITS_FOR_EACH_STEP:
+            assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass, kernel
 
 
 def test_grouped_mm_cuda_kernel_limits():

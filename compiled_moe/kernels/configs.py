@@ -39,12 +39,14 @@ class TileConfig:
     ctas_per_sm: int = 1  # persistent programs per SM: 2 lets one's epilogue overlap the other
     epilogue_tma: int = 0  # fused FC1: epilogue tiles (h, out) by TMA instead of pointers
     cluster: int = 1  # CUDA kernels: CTAs of a cluster that share an operand tile by TMA multicast
+    product_buffers: int = 2  # CUDA FP8 kernels: registers' buffers of partial products (1 or 2)
 
     def __str__(self) -> str:
         return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} BLOCK_K={self.block_k} "
                 f"GROUP_M={self.group_m} warps={self.num_warps} stages={self.num_stages} "
                 f"warp_specialize={self.warp_specialize} ctas_per_sm={self.ctas_per_sm} "
-                f"epilogue_tma={self.epilogue_tma} cluster={self.cluster}")
+                f"epilogue_tma={self.epilogue_tma} cluster={self.cluster} "
+                f"product_buffers={self.product_buffers}")
 
 
 def _log(kind: str, key: tuple, cfg: TileConfig) -> None:
@@ -58,7 +60,7 @@ _INTERPRETER_TILE = TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, nu
 
 
 def _env_override() -> TileConfig | None:
-    """COMPILED_MOE_TILE="BM,BN,BK,GROUP_M,warps,stages[,warp_specialize[,ctas_per_sm[,epilogue_tma[,cluster]]]]" forces
+    """COMPILED_MOE_TILE="BM,BN,BK,GROUP_M,warps,stages[,warp_specialize[,ctas_per_sm[,epilogue_tma[,cluster[,product_buffers]]]]]" forces
     one tile (benchmark sweeps)."""
     spec = os.environ.get("COMPILED_MOE_TILE")
     if not spec:
@@ -324,14 +326,20 @@ def grouped_mm_sm90_config() -> TileConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def fp8_wgrad_sm90_config() -> TileConfig:
+def fp8_wgrad_sm90_config(rows_per_group: int) -> TileConfig:
     """Tile of the CUDA FP8 weight-gradient kernel (csrc/fp8_grouped_mm.cu): 128 x 128 output
     tiles reduced 128 rows (one fp8_blockwise columnwise scale block) per 32 KB stage.
+    rows_per_group: the token-count hint over the number of groups.
 
     4 stages (what fits beside the fp32 output staging, too): with bf16 output, 4 ran 0.99-1.07x
     the speed of 3 (geometric mean 1.02x) and 5 ran 0.88-0.98x (0.93x) on the 16 bench_fp8
-    shapes (H200, same run). The deeper ring leaves less L1 for the per-chunk scale loads."""
-    def heuristic():
-        return TileConfig(block_m=128, block_n=128, block_k=128, num_warps=12, num_stages=4)
+    shapes (H200, same run). The deeper ring leaves less L1 for the per-chunk scale loads.
 
-    return _choose("fp8_wgrad_sm90", (), "cuda", heuristic)
+    One buffer of partial products below 512 rows a group (Qwen3, GPT-OSS: 1-2 chunks a tile),
+    where it ran 1.01-1.08x the two-buffer kernel; two above (DeepSeek-V3, Mixtral: 0.95-1.03x
+    with one). H200, same run; csrc/fp8_grouped_mm.cu says why."""
+    def heuristic():
+        return TileConfig(block_m=128, block_n=128, block_k=128, num_warps=12, num_stages=4,
+                          product_buffers=1 if rows_per_group < 512 else 2)
+
+    return _choose("fp8_wgrad_sm90", (rows_per_group,), "cuda", heuristic)
