@@ -11,7 +11,7 @@
 // issues the next (one `wgmma.wait_group 0` per step in its PTX), so its kernel ran at 600-720
 // TFLOP/s. Here a producer warp keeps a ring of TMA loads in flight, and each of two consumer
 // warpgroups (64 rows each) keeps two buffers of partial products: step k + 1's wgmma runs
-// while step k's is scaled and added (1.20-1.53x the Triton kernel on the H200, RESULTS.md).
+// while step k's is scaled and added (1.26-1.98x the Triton kernel on the H200, RESULTS.md).
 //
 // Block: 384 threads. Warpgroup 0 is the producer (one thread issues TMA), warpgroups 1 and 2
 // compute a 128 x 128 output tile. Persistent: one block per SM walks the tiles of all groups;
@@ -314,8 +314,8 @@ FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm_x2, 2, __cluster_dims__(2, 1, 1))
 //
 // Why CUDA: the Triton kernel waits for every chunk's wgmma before scaling it, and stored its
 // tile from registers; it ran at 0.39-0.83x of torch._grouped_mm in bf16. This kernel:
-// 0.79-1.14x (RESULTS.md), still mostly short of bf16. It is the forward kernel's block (producer warp,
-// two consumer warpgroups of 64 rows, two buffers of partial products) walking (group,
+// 0.89-1.15x (RESULTS.md), about level with bf16. It is the forward kernel's block (producer
+// warp, two consumer warpgroups of 64 rows, one or two buffers of partial products) walking (group,
 // P tile, Q tile) tiles; the producer warpgroup's other three warps stage each chunk's scales
 // (per row of a_t and of d_t) and cut the chunk that passes its group's end in shared memory;
 // the bf16 weight gradient's TMA-store epilogue (the tile leaves under the next tile's wgmma).
