@@ -85,7 +85,8 @@ def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, num_stages=None, cluste
     kernel = native.kernel("fp8_grouped_mm", _CLUSTER_KERNELS[cluster], dev)
     grid = _num_sms(dev) // cluster * cluster
     if cluster > 1:
-        grid = min(grid, cluster * native.max_active_clusters(kernel, _THREADS, shared(num_stages), grid))
+        fit = native.max_active_clusters(kernel, _THREADS, shared(num_stages), grid)
+        grid = min(grid, cluster * max(fit, 1))
     native.launch_driver(
         kernel, grid, _THREADS, shared(num_stages),
         a_map, b_map, out_map,
