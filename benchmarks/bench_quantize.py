@@ -9,7 +9,9 @@ importable, those kernels too.
 
 Byte accounting as benchmarks/bench_fp8.py quantize_rows: x read once (2 bytes per element)
 plus every output written (data, scales), against a bf16 y.copy_(x) of the same tensor
-(4 bytes per element). Two timings per case:
+(4 bytes per element). Columnwise modes are timed three ways: "cuda", what grouped_quantize runs (the CUDA kernels of
+csrc/grouped_quantize.cu), and the Triton kernels with row and column blocks in two launches
+("separate") or one ("fused"). Two timings per case:
   eager  cm.grouped_quantize as a user calls it (triton.testing.do_bench; includes the
          op's host overhead, which small shapes may not hide)
   graph  the same call replayed from a CUDA graph (do_bench_cudagraph): GPU time only
@@ -128,7 +130,13 @@ def with_tile(kind, tile_args):
 
 
 def run_new(x, offs, recipe, rowwise, columnwise, fused):
-    fp8_ops.FUSE_ROW_AND_COLUMN = ("fp8_blockwise", "mxfp8") if fused else ()
+    """fused None: what grouped_quantize runs (the CUDA columnwise kernels where they apply);
+    True / False: the Triton kernels with rowwise and columnwise in one launch or two."""
+    if fused is None:
+        os.environ.pop("COMPILED_MOE_QUANTIZE", None)
+    else:
+        os.environ["COMPILED_MOE_QUANTIZE"] = "triton"
+        fp8_ops.FUSE_ROW_AND_COLUMN = ("fp8_blockwise", "mxfp8") if fused else ()
     return cm.grouped_quantize(x, offs, recipe, rowwise=rowwise, columnwise=columnwise)
 
 
@@ -174,10 +182,13 @@ def main():
         offs_s = offs.clamp(max=xs.shape[0] - 16)  # same groups, cut to the small input
         for recipe, rowwise, columnwise in MODES:
             mode = "row+col" if columnwise else "row"
-            fuse_options = (False, True) if columnwise else (default_fuse,)
+            fuse_options = (None, False, True) if columnwise else (None,)
             for who, fn in variants:
                 for fused in fuse_options:
-                    label = who + (" fused" if fused else " separate") * columnwise
+                    if who != "new" and fused is None:
+                        continue
+                    label = who + {None: " cuda" * columnwise, False: " separate",
+                                   True: " fused"}[fused]
                     call = (lambda: fn(x, offs, recipe, rowwise, columnwise, fused))
                     outs = call()
                     want = R.grouped_quantize(x, offs, recipe, rowwise, columnwise)
@@ -205,7 +216,6 @@ def main():
                           flush=True)
         if args.tiles:
             for (recipe, rowwise, columnwise), fused, kind, tile in TILE_VARIANTS:
-                fused = default_fuse if fused is None else fused
                 restore = with_tile(kind, tile)
                 try:
                     call = (lambda: run_new(x, offs, recipe, rowwise, columnwise, fused))
@@ -233,6 +243,7 @@ def main():
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     fp8_ops.FUSE_ROW_AND_COLUMN = default_fuse
+    os.environ.pop("COMPILED_MOE_QUANTIZE", None)
     print("\nfraction of copy bandwidth (eager / graph); mismatching elements (random+special)")
     print(f"{'shape':11s} {'recipe':13s} {'mode':7s} {'variant':13s} {'eager':>6s} "
           f"{'graph':>6s} {'us(g)':>8s} {'bad':>5s}")

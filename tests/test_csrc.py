@@ -165,3 +165,35 @@ def test_fp8_wgrad_cuda_dispatch_conditions(monkeypatch):
         for dtype in (torch.bfloat16, torch.float32):
             stages = sm90.wgrad_stages(5, groups, dtype)
             assert stages >= 4 and sm90._wgrad_shared_bytes(groups, stages, dtype) <= 227 * 1024
+
+
+def test_quantize_cuda_dispatch_conditions(monkeypatch):
+    """Which grouped_quantize calls the CUDA columnwise kernels take (fake CUDA tensors, the
+    device check forced on): 2-D x in bf16/fp16/fp32 with 16-byte rows of whole 8-column
+    chunks, recipe fp8_blockwise; the rest runs the Triton kernels."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compiled_moe.kernels import quantize_cuda
+    monkeypatch.setattr(quantize_cuda, "_has_e4m3_conversion", lambda index: True)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        def t(shape, stride, dtype=torch.bfloat16):
+            return torch.empty_strided(shape, stride, dtype=dtype, device="cuda")
+
+        x = t((512, 256), (256, 1))
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            assert quantize_cuda.supported(t((512, 256), (256, 1), dtype), "fp8_blockwise")
+        assert not quantize_cuda.supported(x, "mxfp8")
+        assert quantize_cuda.supported(t((512, 256), (264, 1)), "fp8_blockwise")  # padded rows
+        assert not quantize_cuda.supported(x, "fp8_rowwise")
+        assert not quantize_cuda.supported(t((512, 252), (252, 1)), "fp8_blockwise")   # K % 8
+        assert not quantize_cuda.supported(t((512, 256), (260, 1)), "fp8_blockwise")   # 520-byte rows
+        assert not quantize_cuda.supported(t((512, 256), (1, 512)), "fp8_blockwise")   # column-major
+        assert not quantize_cuda.supported(t((4, 512, 256), (512 * 256, 256, 1)), "fp8_blockwise")
+        assert not quantize_cuda.supported(t((512, 256), (256, 1), torch.float64), "fp8_blockwise")
+        monkeypatch.setenv("COMPILED_MOE_QUANTIZE", "triton")
+        assert not quantize_cuda.supported(x, "fp8_blockwise")
+    assert not quantize_cuda.supported(torch.zeros(512, 256), "fp8_blockwise")  # CPU tensors
+    # Two blocks of the slot table of the largest benchmark shape (Qwen3, 640 slots) fit an SM.
+    assert 2 * quantize_cuda.shared_bytes(torch.bfloat16, "fp8_blockwise", 640) <= 227 * 1024
+    assert quantize_cuda.fits(torch.zeros(1, dtype=torch.bfloat16), "fp8_blockwise", 20000)
+    assert not quantize_cuda.fits(torch.zeros(1), "fp8_blockwise", 20000)  # fp32 stages are twice as large

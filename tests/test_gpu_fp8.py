@@ -53,6 +53,87 @@ def test_quantize_2d_matches_reference_bitwise(recipe, shape):
             _same(g, w)
 
 
+def _offsets_with_bad_values(M, G):
+    """offs that are not monotonic and pass M: the kernels clamp them as the reference does."""
+    offs = torch.linspace(0, M, G).to(torch.int32)
+    offs[G // 3] = offs[G // 3 - 1] - 5
+    offs[-2] = M + 100
+    return offs.to(DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_columnwise_quantize_matches_reference_bitwise(dtype):
+    """The CUDA columnwise kernels (csrc/grouped_quantize.cu), with and without the rowwise
+    blocks: more groups than a block has threads (each thread scans several), empty groups,
+    group starts on and off 16-row boundaries, rows past the last group, a part column tile,
+    M = 0, and offsets out of order or past M. Outputs poisoned first, no host sync."""
+    from compiled_moe.kernels import quantize_cuda
+
+    recipe = "fp8_blockwise"
+    cases = [(5000, 2880, 700, skewed_offsets(5000, 700, seed=1, empty_groups=70, tail=77)),
+             (4096 + 48, 1032, 64, skewed_offsets(4096 + 48, 64, seed=2, tail=48, multiple=16)),
+             (37, 520, 3, skewed_offsets(37, 3, seed=3, empty_groups=0, tail=5)),
+             (3000, 264, 9, _offsets_with_bad_values(3000, 9)),
+             (0, 256, 4, torch.zeros(4, dtype=torch.int32, device=DEV))]
+    for M, K, G, offs in cases:
+        torch.manual_seed(M)
+        x = (torch.randn(M, K, device=DEV) * 10 ** torch.empty(M, 1, device=DEV).uniform_(-3, 3))
+        x = x.to(dtype)
+        assert quantize_cuda.supported(x, recipe)
+        for rowwise in (False, True):
+            poison_allocator(4 * M * K)
+            with no_sync():
+                got = torch.ops.compiled_moe.grouped_quantize_columns_cuda(x, offs, recipe, rowwise)
+            want = R.grouped_quantize(x, offs, recipe, rowwise, True)
+            for g, w in zip(got, want):
+                _same(g, w)
+
+
+def test_cuda_columnwise_quantize_unaligned_address_runs_triton():
+    from compiled_moe.kernels import quantize_cuda
+
+    M, K = 1000, 512
+    x = torch.randn(M * K + 4, device=DEV, dtype=torch.bfloat16)[4:].view(M, K)  # 8-byte offset
+    offs = skewed_offsets(M, 8, seed=4)
+    assert quantize_cuda.supported(x, "fp8_blockwise") and not quantize_cuda.aligned(x)
+    got = torch.ops.compiled_moe.grouped_quantize(x, offs, "fp8_blockwise", True, True)
+    for g, w in zip(got, R.grouped_quantize(x, offs, "fp8_blockwise", True, True)):
+        _same(g, w)
+
+
+def test_cuda_columnwise_quantize_op_opcheck():
+    x = torch.randn(300, 256, device=DEV, dtype=torch.bfloat16)
+    offs = skewed_offsets(300, 5, seed=6)
+    # No test_schema: SchemaCheckMode compares outputs with allclose, which fp8 lacks.
+    torch.library.opcheck(torch.ops.compiled_moe.grouped_quantize_columns_cuda,
+                          (x, offs, "fp8_blockwise", True),
+                          test_utils=["test_autograd_registration", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"])
+
+
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "mxfp8"])
+def test_quantize_cuda_graph_replay_with_new_offsets(recipe):
+    M, K, G = 4096, 1024, 16
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    offs = skewed_offsets(M, G, seed=1, multiple=16)
+    fn = lambda: cm.grouped_quantize(x, offs, recipe, rowwise=True, columnwise=True)  # noqa: E731
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn()
+    for seed in (5, 6):
+        offs.copy_(skewed_offsets(M, G, seed=seed, tail=64, multiple=16 if seed == 5 else 1))
+        graph.replay()
+        torch.cuda.synchronize()
+        for g, w in zip(outs, R.grouped_quantize(x, offs, recipe, True, True)):
+            _same(g, w)
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_quantize_weights_matches_reference_bitwise(recipe):
     torch.manual_seed(1)

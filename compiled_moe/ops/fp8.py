@@ -49,6 +49,11 @@ def _sm90():
     return scaled_grouped_mm_sm90
 
 
+def _quantize_cuda():
+    from compiled_moe.kernels import quantize_cuda  # the CUDA columnwise quantizer's launcher
+    return quantize_cuda
+
+
 def _cdiv(a, b):
     return (a + b - 1) // b
 
@@ -120,6 +125,8 @@ def _quantize_outputs(x, offs, recipe, rowwise, columnwise):
 def _grouped_quantize(x: Tensor, offs: Optional[Tensor], recipe: str, rowwise: bool = True,
                       columnwise: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_quantize(x, offs, recipe, rowwise, columnwise)
+    if columnwise and x.dim() == 2 and _quantize_cuda().supported(x, recipe):
+        return torch.ops.compiled_moe.grouped_quantize_columns_cuda(x, offs, recipe, rowwise)
     outs = _quantize_outputs(x, offs, recipe, rowwise, columnwise)
     if not use_kernel(x):
         # Copied into the kernels' layouts (padded col_data rows), so every path has one layout.
@@ -152,6 +159,37 @@ def _quantize_into(x, offs, recipe, rowwise, columnwise, outs) -> None:
 def _(x, offs, recipe, rowwise=True, columnwise=False):
     _check_quantize(x, offs, recipe, rowwise, columnwise)
     return _quantize_outputs(x, offs, recipe, rowwise, columnwise)
+
+
+# The CUDA kernels of csrc/grouped_quantize.cu, which grouped_quantize calls for fp8_blockwise
+# columnwise output of 2-D x (the Triton kernels reached 0.29-0.41 of copy bandwidth there on the
+# H200; benchmarks/RESULTS.md has both). Opaque, as the
+# Hopper GEMMs: inductor cannot trace a driver launch. It repeats the checks (it is reachable
+# as torch.ops.compiled_moe.grouped_quantize_columns_cuda) and runs the Triton kernels where x's
+# address is not 16-byte aligned.
+@torch.library.custom_op("compiled_moe::grouped_quantize_columns_cuda", mutates_args=(),
+                         device_types="cuda")
+def _grouped_quantize_columns_cuda(x: Tensor, offs: Tensor, recipe: str,
+                                   rowwise: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_quantize(x, offs, recipe, rowwise, True)
+    outs = _quantize_outputs(x, offs, recipe, rowwise, True)
+    data, scale, col_data, col_scale = outs
+    cuda = _quantize_cuda()
+    if not cuda.supported(x, recipe):
+        raise ValueError(f"x (shape {tuple(x.shape)}, strides {x.stride()}, {x.dtype}) or recipe "
+                         f"{recipe!r} is not supported by the CUDA quantize kernels")
+    if cuda.aligned(x) and cuda.fits(x, recipe, col_scale.shape[1]):
+        cuda.quantize_group_columns(x, offs, col_data, col_scale, data if rowwise else None,
+                                    scale if rowwise else None, recipe)
+    else:
+        _quantize_into(x, offs, recipe, rowwise, True, outs)
+    return outs
+
+
+@_grouped_quantize_columns_cuda.register_fake
+def _(x, offs, recipe, rowwise):
+    _check_quantize(x, offs, recipe, rowwise, True)
+    return _quantize_outputs(x, offs, recipe, rowwise, True)
 
 
 # ---------------------------------------------------------------------------- scaled_grouped_mm
