@@ -176,6 +176,52 @@ struct Row8 {
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
   }
+  // max(|a|, |b|) of each 16-bit half, NaN kept (the sign of the result is not |.|'s: callers
+  // take fabsf of each half). One instruction for two values.
+  __device__ __forceinline__ static u32 abs_max2(u32 a, u32 b) {
+    u32 d;
+    if (DT == DT_BF16)
+      asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    else
+      asm("max.NaN.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+  }
+  __device__ __forceinline__ static float half_amax(u32 word) {  // max(|lo|, |hi|), NaN kept
+    Row8 r;
+    r.w[0] = word;
+    return max_keep_nan(fabsf(r[0]), fabsf(r[1]));
+  }
+  // max |x| of the 8 values (NaN kept). 16-bit values pairwise: the amax of bf16 or fp16
+  // values is one of them, so the packed max gives the fp32 one exactly.
+  __device__ __forceinline__ float amax() const {
+    if (DT == DT_F32) {
+      float m = fabsf((*this)[0]);
+#pragma unroll
+      for (int j = 1; j < 8; ++j) m = max_keep_nan(m, fabsf((*this)[j]));
+      return m;
+    }
+    return half_amax(abs_max2(abs_max2(w[0], w[1]), abs_max2(w[2], w[3])));
+  }
+  // part[j] = max over the 8 rows of |v[i][j]| (NaN kept).
+  __device__ __forceinline__ static void column_amax(const Row8* v, float* part) {
+#pragma unroll
+    for (int k = 0; k < WORDS; ++k) {
+      if (DT == DT_F32) {
+        float m = fabsf(__int_as_float(v[0].w[k]));
+#pragma unroll
+        for (int i = 1; i < 8; ++i) m = max_keep_nan(m, fabsf(__int_as_float(v[i].w[k])));
+        part[k] = m;
+      } else {
+        u32 m = abs_max2(v[0].w[k], v[1].w[k]);
+#pragma unroll
+        for (int i = 2; i < 8; ++i) m = abs_max2(m, v[i].w[k]);
+        Row8 r;
+        r.w[0] = m;
+        part[2 * k] = fabsf(r[0]);
+        part[2 * k + 1] = fabsf(r[1]);
+      }
+    }
+  }
   // From shared memory; rows or columns outside the tile's block read as 0.
   __device__ __forceinline__ void load_shared(const unsigned char* p, bool ok) {
     const uint4* v = reinterpret_cast<const uint4*>(p);
@@ -200,9 +246,7 @@ __device__ __forceinline__ uint2 quantize_row(const Scale& q, const Row& v) {
 // max |x| (NaN kept) of a row block: 8 values in each of LANES neighbouring lanes.
 template <int LANES, typename Row>
 __device__ __forceinline__ float row_amax(const Row& v) {
-  float amax = fabsf(v[0]);
-#pragma unroll
-  for (int j = 1; j < 8; ++j) amax = max_keep_nan(amax, fabsf(v[j]));
+  float amax = v.amax();
 #pragma unroll
   for (int d = 1; d < LANES; d <<= 1) amax = max_keep_nan(amax, __shfl_xor_sync(FULL_MASK, amax, d));
   return amax;
@@ -263,15 +307,18 @@ struct Layout {
 };
 
 // Persistent: block b takes items b, b + B, b + 2B, ... of the S x tiles (slot, column tile)
-// items, slot fastest: the blocks running together work on neighbouring slots of one column
-// tile, so the 16-byte pieces they store along M fill the same 32-byte sectors (and the column
-// scales of neighbouring slots the same lines) while those are still in L2. Each thread copies its own next 8 x 8 sub-tile into the other stage (cp.async) before it
+// items, ordered in bands of slot_group slots: within a band, slot fastest, then column tile.
+// The blocks running together then cover a few neighbouring slots across many column tiles:
+// they read long runs of each row of x, and the 16-byte pieces they store along M fill the same
+// sectors (the column scales of neighbouring slots the same lines) while those are in L2. Each
+// thread copies its own next 8 x 8 sub-tile into the other stage (cp.async) before it
 // works on the current one, and reads back only what it copied: no block barrier guards the
 // stages, and the next item's loads run under this item's arithmetic and stores.
 template <int DT, int ROWS, int ROW_BLOCK, typename Scale, bool ROWWISE>
 __device__ void quantize_group_columns(
     const void* __restrict__ x_, long long ldx, const int* __restrict__ offs, int M, int K, int G,
-    int S, unsigned char* __restrict__ col_q, long long ldcq, void* __restrict__ col_s,
+    int S, int slot_group, unsigned char* __restrict__ col_q, long long ldcq,
+    void* __restrict__ col_s,
     long long lds, unsigned char* __restrict__ row_q, long long ldrq, void* __restrict__ row_s,
     long long ldrs) {
   using L = Layout<DT, ROWS>;
@@ -290,7 +337,24 @@ __device__ void quantize_group_columns(
                                         slot_row);
 
   const int num_tiles = (K + COLS - 1) / COLS;
-  const long long items = (long long)S * num_tiles;
+  // Items cover the used slots only: the unused ones (past `used`) just get a zero block's scale
+  // in every column, shared out evenly below, so that no block's items are mostly empty.
+  const long long items = (long long)used * num_tiles;
+  {
+    const Scale zero = Scale::from_amax(0.0f);
+    const long long unused = (long long)(S - used) * K;
+    for (long long e = (long long)blockIdx.x * THREADS + threadIdx.x; e < unused;
+         e += (long long)gridDim.x * THREADS)
+      zero.store(col_s, (e % K) * lds + used + e / K);
+  }
+  // item w -> (slot, column tile): bands of slot_group slots (the last band may be narrower)
+  auto item_slot_tile = [&](long long w, int* slot, int* tile) {
+    const long long band = w / ((long long)slot_group * num_tiles);
+    const int first = (int)band * slot_group, width = min(slot_group, used - first);
+    const int within = (int)(w - band * slot_group * num_tiles);
+    *slot = first + within % width;
+    *tile = within / width;
+  };
   const int t = threadIdx.x, c = t % CHUNKS, rg = t / CHUNKS;
   const char* x = static_cast<const char*>(x_);
   // This thread's sub-tile of an item in stage `buf`: rows rg * 8 + i, bytes [16 * c * COPIES, +8 * ESIZE).
@@ -298,9 +362,9 @@ __device__ void quantize_group_columns(
     return smem + buf * L::TILE + (rg * 8 + i) * (COLS * ESIZE) + c * 8 * ESIZE;
   };
   auto prefetch = [&](long long w, int buf) {
-    const int slot = (int)(w % S);
-    if (slot >= used) return;
-    const int col = (int)(w / S) * COLS + 8 * c, row0 = slot_row[slot];
+    int slot, tile;
+    item_slot_tile(w, &slot, &tile);
+    const int col = tile * COLS + 8 * c, row0 = slot_row[slot];
     const int rows = slot_row[slot + 1] - row0 - rg * 8;
     if (col >= K) return;
 #pragma unroll
@@ -318,13 +382,9 @@ __device__ void quantize_group_columns(
   for (long long w = blockIdx.x; w < items; w += gridDim.x, buf ^= 1) {
     if (w + gridDim.x < items) prefetch(w + gridDim.x, buf ^ 1);
     cp_async_commit();
-    const int slot = (int)(w % S);
-    const int col0 = (int)(w / S) * COLS, col = col0 + 8 * c;
-    if (slot >= used) {  // an unused slot: a zero block's scale in every column
-      const Scale zero = Scale::from_amax(0.0f);
-      for (int k = col0 + t; k < min(K, col0 + COLS); k += THREADS) zero.store(col_s, k * lds + slot);
-      continue;
-    }
+    int slot, tile;
+    item_slot_tile(w, &slot, &tile);
+    const int col0 = tile * COLS, col = col0 + 8 * c;
     const int row0 = slot_row[slot], row_end = slot_row[slot + 1];
     const bool col_ok = col < K;
     cp_async_wait<1>();  // this thread's copies of item w have landed
@@ -370,13 +430,7 @@ __device__ void quantize_group_columns(
 
     // Column blocks: this thread's 8 rows, then every row group's in shared memory.
     float part[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      float amax = fabsf(v[0][j]);
-#pragma unroll
-      for (int i = 1; i < 8; ++i) amax = max_keep_nan(amax, fabsf(v[i][j]));
-      part[j] = amax;
-    }
+    Row8<DT>::column_amax(v, part);
     reinterpret_cast<float4*>(&partial[rg][8 * c])[0] = make_float4(part[0], part[1], part[2], part[3]);
     reinterpret_cast<float4*>(&partial[rg][8 * c])[1] = make_float4(part[4], part[5], part[6], part[7]);
     __syncthreads();
@@ -401,7 +455,10 @@ __device__ void quantize_group_columns(
     bool regular = true;
 #pragma unroll
     for (int j = 0; j < 8; ++j) regular &= Scale::from_parts(s[j], y[j]).regular;
-    if (regular)
+    // (sub-tiles wholly past the slot's rows or past K are not stored: skip their arithmetic)
+    if (!col_ok || row0 + rg * 8 >= row_end)
+      ;
+    else if (regular)
       transpose_columns<false, GROUPS, Scale>(transposed, v, s, y, c, rg);
     else
       transpose_columns<true, GROUPS, Scale>(transposed, v, s, y, c, rg);
@@ -428,17 +485,20 @@ __device__ void quantize_group_columns(
         for (int i = 0; i < valid; ++i) dst[i] = (unsigned char)(words[i >> 2] >> (8 * (i & 3)));
       }
     }
-    __syncthreads();  // the transposing buffer and the scales are rewritten by the next item
+    // No barrier here: the next item writes the partials, the scales and the transposing
+    // buffer only after one, two and three barriers of its own, which every thread reaches
+    // after it finished reading them for this item.
   }
   cp_async_wait<0>();
 }
 
 #define QUANTIZE_KERNEL(NAME, DT, ROWS, ROW_BLOCK, SCALE, ROWWISE)                                  \
   extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) NAME(                                      \
-      const void* x, long long ldx, const int* offs, int M, int K, int G, int S,                   \
+      const void* x, long long ldx, const int* offs, int M, int K, int G, int S, int slot_group,   \
       unsigned char* col_q, long long ldcq, void* col_s, long long lds, unsigned char* row_q,      \
       long long ldrq, void* row_s, long long ldrs) {                                               \
-    quantize_group_columns<DT, ROWS, ROW_BLOCK, SCALE, ROWWISE>(x, ldx, offs, M, K, G, S, col_q,    \
+    quantize_group_columns<DT, ROWS, ROW_BLOCK, SCALE, ROWWISE>(x, ldx, offs, M, K, G, S,           \
+                                                                slot_group, col_q,                 \
                                                                 ldcq, col_s, lds, row_q, ldrq,     \
                                                                 row_s, ldrs);                      \
   }

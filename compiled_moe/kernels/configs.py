@@ -237,17 +237,23 @@ def quantize_config(kind: str, device_type: str, cols: int = 0) -> TileConfig:
 
 @functools.lru_cache(maxsize=None)
 @functools.lru_cache(maxsize=None)
-def quantize_columns_cuda_config(shared_bytes: int) -> TileConfig:
-    """Blocks per SM of the persistent CUDA columnwise quantize kernels (csrc/grouped_quantize.cu),
-    whose tile is fixed (128 x 128, 256 threads): two where two blocks' shared memory fits an SM
-    (a block's 128 registers a thread allow two). Two ran 1.06-1.30x the speed of one on the four
-    model shapes (H200, row+col and col alone, bf16, same run)."""
+def quantize_columns_cuda_config(shared_bytes: int, rowwise: bool) -> TileConfig:
+    """Blocks per SM and item order of the persistent CUDA columnwise quantize kernels
+    (csrc/grouped_quantize.cu), whose tile is fixed (128 x 128, 256 threads). H200, bf16, the
+    FC1 inputs of the four model shapes, same runs (benchmarks/RESULTS.md):
+      ctas_per_sm  two where two blocks' shared memory fits an SM (128 registers a thread allow
+                   two): 1.06-1.30x the speed of one.
+      group_m      slots per band of the item order. With the rowwise blocks too, bands of 16:
+                   0.50-0.64 of copy bandwidth against 0.49-0.57 with one band of all slots
+                   (Qwen3 1.11x, the others within 2%; 8 and 32 within 3% of 16). Columnwise
+                   alone, one band: 0.59-0.76 against 0.59-0.73 with bands of 16 (DeepSeek-V3
+                   1.13x, Qwen3 1.12x)."""
     def heuristic():
         fit = max(1, min(2, _HOPPER_SHARED_PER_SM // max(shared_bytes, 1)))
-        return TileConfig(block_m=0, block_n=0, block_k=0, num_warps=8, num_stages=2,
-                          ctas_per_sm=fit)
+        return TileConfig(block_m=0, block_n=0, block_k=0, group_m=16 if rowwise else 2**30,
+                          num_warps=8, num_stages=2, ctas_per_sm=fit)
 
-    return _choose("quantize_columns_cuda", (shared_bytes,), "cuda", heuristic)
+    return _choose("quantize_columns_cuda", (shared_bytes, rowwise), "cuda", heuristic)
 
 
 def scaled_grouped_mm_config(n: int, k: int, recipe: str, device_type: str) -> TileConfig:

@@ -67,10 +67,12 @@ def fits(x, recipe: str, slots: int) -> bool:
     return shared_bytes(x.dtype, recipe, slots) <= _SHARED_LIMIT
 
 
-def quantize_group_columns(x, offs, col_q, col_s, row_q, row_s, recipe: str) -> None:
+def quantize_group_columns(x, offs, col_q, col_s, row_q, row_s, recipe: str,
+                           slot_group=None) -> None:
     """Columnwise blocks of x (M, K) inside the groups of offs into col_q (K, M) / col_s (K, S)
     and, when row_q is not None, the rowwise blocks into row_q (M, K) / row_s. The caller checked
-    ``supported``, ``aligned`` and ``fits``; outputs as ``ops.fp8._quantize_outputs`` makes them."""
+    ``supported``, ``aligned`` and ``fits``; outputs as ``ops.fp8._quantize_outputs`` makes them.
+    slot_group (default: the config's): slots per band of the kernel's item order."""
     M, K = x.shape
     if K == 0:
         return
@@ -79,14 +81,15 @@ def quantize_group_columns(x, offs, col_q, col_s, row_q, row_s, recipe: str) -> 
     num_tiles = -(-K // (8 * (16 * 128 // rows)))
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     shared = shared_bytes(x.dtype, recipe, S)
-    cfg = quantize_columns_cuda_config(shared)
+    rowwise = row_q is not None
+    cfg = quantize_columns_cuda_config(shared, rowwise)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     grid = max(1, min(cfg.ctas_per_sm * sms, S * num_tiles))
-    rowwise = row_q is not None
     rq, rs = (row_q, row_s) if rowwise else (col_q, col_s)  # unused pointers when not rowwise
     name = f"quantize_{'rows_columns' if rowwise else 'columns'}_{recipe}_{_SUFFIX[x.dtype]}"
     i32, i64 = native.int32, native.int64
     native.launch_driver(native.kernel("grouped_quantize", name, dev), grid, _THREADS, shared,
                          x, i64(x.stride(0)), offs.contiguous(), i32(M), i32(K), i32(G), i32(S),
+                         i32(max(1, slot_group or cfg.group_m)),
                          col_q, i64(col_q.stride(0)), col_s, i64(col_s.stride(0)),
                          rq, i64(rq.stride(0)), rs, i64(rs.stride(0)))
