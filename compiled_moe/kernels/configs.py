@@ -242,10 +242,10 @@ def quantize_columns_cuda_config(shared_bytes: int, rowwise: bool) -> TileConfig
     (csrc/grouped_quantize.cu), whose tile is fixed (128 x 128, 256 threads). H200, bf16, the
     FC1 inputs of the four model shapes, same runs (benchmarks/RESULTS.md):
       ctas_per_sm  two where two blocks' shared memory fits an SM (128 registers a thread allow
-                   two): 1.06-1.30x the speed of one.
+                   two): 1.07-1.28x the speed of one.
       group_m      slots per band of the item order. With the rowwise blocks too, bands of 16:
-                   0.50-0.64 of copy bandwidth against 0.49-0.57 with one band of all slots
-                   (Qwen3 1.11x, the others within 2%; 8 and 32 within 3% of 16). Columnwise
+                   0.50-0.63 of copy bandwidth against 0.49-0.64 with one band of all slots
+                   (Qwen3 1.10x, the others within 2%; 8 and 32 within 3% of 16). Columnwise
                    alone, one band: 0.59-0.76 against 0.59-0.73 with bands of 16 (DeepSeek-V3
                    1.13x, Qwen3 1.12x)."""
     def heuristic():
