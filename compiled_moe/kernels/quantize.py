@@ -233,16 +233,22 @@ def _quantize_rows_kernel(
 
 @triton.jit
 def _quantize_tiles_kernel(
-    x_ptr, q_ptr, s_ptr, R, C,
+    x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, R, C,
     stride_xg, stride_xr, stride_xc,
     stride_qg, stride_qr, stride_qc,
     stride_sg, stride_sr, stride_sc,
+    stride_qtg, stride_qtr, stride_qtc,
+    stride_stg, stride_str, stride_stc,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     SCALE_R: tl.constexpr, SCALE_C: tl.constexpr, E8M0: tl.constexpr,
-    NATIVE: tl.constexpr, FMA_DIVISION: tl.constexpr,
+    TRANSPOSED: tl.constexpr, NATIVE: tl.constexpr, FMA_DIVISION: tl.constexpr,
 ):
     """Blocks of SCALE_R x SCALE_C of x[g] (R, C); a program quantizes one BLOCK_R x BLOCK_C tile.
-    Used for the 128x128 blocks of weights (quantized once per step, not performance-critical)."""
+    Used for the 128x128 blocks of weights. TRANSPOSED (square blocks): also the quantization of
+    x[g].mT into qt (C, R) and st, which is the same data and scales transposed (a block of x.mT
+    is a block of x, transposed: same amax, same scale, same quotients), so x is read once for
+    both directions, as a training step needs (forward reads the rowwise weight, dgrad the
+    columnwise one)."""
     pid = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     num_c = tl.cdiv(C, BLOCK_C)
@@ -263,8 +269,14 @@ def _quantize_tiles_kernel(
              q, mask=inside)
     sr = pr * NR + tl.arange(0, NR)
     sc = pc * NC + tl.arange(0, NC)
+    scale_inside = (sr[:, None] < tl.cdiv(R, SCALE_R)) & (sc[None, :] < tl.cdiv(C, SCALE_C))
     tl.store(s_ptr + g * stride_sg + sr[:, None] * stride_sr + sc[None, :] * stride_sc, scale,
-             mask=(sr[:, None] < tl.cdiv(R, SCALE_R)) & (sc[None, :] < tl.cdiv(C, SCALE_C)))
+             mask=scale_inside)
+    if TRANSPOSED:
+        tl.store(qt_ptr + g * stride_qtg + rc[None, :].to(tl.int64) * stride_qtr
+                 + rr[:, None] * stride_qtc, q, mask=inside)
+        tl.store(st_ptr + g * stride_stg + sc[None, :] * stride_str + sr[:, None] * stride_stc,
+                 scale, mask=scale_inside)
 
 
 @triton.jit
@@ -451,8 +463,9 @@ def _math():
     return dict(NATIVE=NATIVE, FMA_DIVISION=FMA_DIVISION)
 
 
-def quantize_tiles(x, q, s, recipe: str, weight: bool) -> None:
-    """Rowwise blocks of x (R, C) or (G, R, C) into q (same shape) and s (block grid)."""
+def quantize_tiles(x, q, s, recipe: str, weight: bool, col=None) -> None:
+    """Rowwise blocks of x (R, C) or (G, R, C) into q (same shape) and s (block grid). col:
+    (qt, st), 3-D weights with square blocks only: x.mT's quantization too, from the same read."""
     x3, q3, s3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (x, q, s))
     num_groups, rows, cols = x3.shape
     if rows == 0 or cols == 0:
@@ -475,9 +488,13 @@ def quantize_tiles(x, q, s, recipe: str, weight: bool) -> None:
             x3, q3, s3, rows, cols, *x3.stride(), *q3.stride(), *s3.stride(),
             BLOCK_R=block_r, BLOCK_C=block_c, SCALE_C=scale_c, **common)
         return
+    transposed = col is not None
+    qt3, st3 = col if transposed else (q3, s3)  # unused pointers when not transposed
     wrap_triton(_quantize_tiles_kernel)[grid](
-        x3, q3, s3, rows, cols, *x3.stride(), *q3.stride(), *s3.stride(),
-        BLOCK_R=block_r, BLOCK_C=block_c, SCALE_R=scale_r, SCALE_C=scale_c, **common)
+        x3, q3, s3, qt3, st3, rows, cols, *x3.stride(), *q3.stride(), *s3.stride(),
+        *qt3.stride(), *st3.stride(),
+        BLOCK_R=block_r, BLOCK_C=block_c, SCALE_R=scale_r, SCALE_C=scale_c,
+        TRANSPOSED=transposed, **common)
 
 
 def quantize_group_columns(x, offs, col_q, col_s, row_q, row_s, recipe: str) -> None:

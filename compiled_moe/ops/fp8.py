@@ -143,6 +143,11 @@ def _quantize_into(x, offs, recipe, rowwise, columnwise, outs) -> None:
     data, scale, col_data, col_scale = outs
     quantize, _ = _kernels()
     if x.dim() == 3:
+        br, bc = fp8_block(recipe, weight=True)
+        if rowwise and columnwise and br == bc:  # 128 x 128: both directions from one read
+            quantize.quantize_tiles(x, data, scale, recipe, weight=True,
+                                    col=(col_data, col_scale))
+            return
         if rowwise:
             quantize.quantize_tiles(x, data, scale, recipe, weight=True)
         if columnwise:
