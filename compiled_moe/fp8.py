@@ -5,6 +5,10 @@ inputs stay in bf16/fp16/fp32 (master weights too), every GEMM of forward and ba
 e4m3 operands quantized in one launch per tensor, and gradients come back in the inputs'
 dtypes. Forward quantizes the activation both ways (rowwise for this GEMM, columnwise for the
 weight gradient) and keeps only the columnwise copy for backward, one byte per element.
+
+The weight is quantized in every call unless ``weight_fp8`` brings its quantization (both
+ways, from ``quantize_weight``): with several micro-batches per optimizer step, quantize once
+per step and pass it to each (benchmarks/bench_fp8_training.py measures both).
 """
 
 from __future__ import annotations
@@ -19,13 +23,41 @@ def _quantize(x, offs, recipe, rowwise, columnwise):
     return torch.ops.compiled_moe.grouped_quantize(x, offs, recipe, rowwise, columnwise)
 
 
+def quantize_weight(w: Tensor, recipe: str = "fp8_blockwise") -> tuple[Tensor, ...]:
+    """The quantization of a (G, N, K) weight that ``fp8_grouped_mm(a, w.mT, offs,
+    weight_fp8=...)`` uses: ``grouped_quantize(w, None, recipe, rowwise=True,
+    columnwise=True)``, the rowwise data and scales (forward) and the columnwise ones (dgrad).
+    Compute it once per optimizer step (after the weight changes) and reuse it across
+    micro-batches; it holds two bytes per weight element. Not differentiable (w is detached)."""
+    check_recipe(recipe)
+    return _quantize(w.detach(), None, recipe, True, True)
+
+
+def _check_weight_fp8(weight_fp8, b: Tensor, recipe: str) -> None:
+    from compiled_moe.ops.fp8 import _quantize_outputs
+
+    want = _quantize_outputs(b.mT, None, recipe, True, True)
+    if not isinstance(weight_fp8, (tuple, list)) or len(weight_fp8) != 4:
+        raise TypeError("weight_fp8 must be the 4 tensors of quantize_weight(w, recipe), "
+                        f"got {type(weight_fp8).__name__}")
+    for i, (t, w) in enumerate(zip(weight_fp8, want)):
+        if not isinstance(t, Tensor) or t.shape != w.shape or t.dtype != w.dtype:
+            got = (tuple(t.shape), t.dtype) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"weight_fp8[{i}] must be {tuple(w.shape)} {w.dtype}, as "
+                             f"quantize_weight(b.mT, {recipe!r}) gives, got {got}")
+        if t.device != b.device:
+            raise ValueError(f"weight_fp8[{i}] is on {t.device} but b is on {b.device}")
+
+
 class _FP8GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, offs, recipe):
+    def forward(ctx, a, b, offs, recipe, weight_fp8):
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         a_q, a_s, a_col, a_col_s = _quantize(a, offs, recipe, True, need_b)
         # b (G, K, N) is usually the transposed view of a (G, N, K) weight: b.mT is that weight.
-        w_q, w_s, w_col, w_col_s = _quantize(b.mT, None, recipe, True, need_a)
+        if weight_fp8 is None:
+            weight_fp8 = _quantize(b.mT, None, recipe, True, need_a)
+        w_q, w_s, w_col, w_col_s = weight_fp8
         out = torch.ops.compiled_moe.scaled_grouped_mm(a_q, w_q.mT, a_s, w_s, offs, recipe,
                                                        a.dtype)
         ctx.save_for_backward(a_col, a_col_s, w_col, w_col_s, offs)
@@ -46,11 +78,11 @@ class _FP8GroupedMM(torch.autograd.Function):
         if need_b:
             grad_b = torch.ops.compiled_moe.scaled_grouped_mm_wgrad(
                 a_col, g_col, a_col_s, g_col_s, offs, ctx.recipe, ctx.b_dtype)
-        return grad_a, grad_b, None, None
+        return grad_a, grad_b, None, None, None
 
 
 def fp8_grouped_mm(a: Tensor, b: Tensor, offs: Tensor, *, recipe: str = "fp8_blockwise",
-                   bias: Tensor | None = None) -> Tensor:
+                   bias: Tensor | None = None, weight_fp8: tuple | None = None) -> Tensor:
     """``grouped_mm`` with every GEMM of forward and backward in FP8 (e4m3).
 
     Args:
@@ -63,16 +95,22 @@ def fp8_grouped_mm(a: Tensor, b: Tensor, offs: Tensor, *, recipe: str = "fp8_blo
         recipe: ``fp8_blockwise`` (1x128 activations and gradients, 128x128 weights: the
             DeepSeek-V3 recipe), ``fp8_rowwise`` or ``mxfp8`` (1x32 E8M0 blocks).
         bias: optional (G, N), added in a's dtype after the FP8 product.
+        weight_fp8: ``quantize_weight(b.mT, recipe)`` computed beforehand (for the weight as it
+            is now: nothing checks that it still matches b's values). The gradient of b is
+            still computed and returned.
 
     Returns:
         (M, N) in a's dtype; rows past offs[-1] are zero (plus nothing: bias is per group).
         Differentiable in a, b and bias.
     """
     check_recipe(recipe)
-    out = _FP8GroupedMM.apply(a, b, offs, recipe)
+    if weight_fp8 is not None:
+        _check_weight_fp8(weight_fp8, b, recipe)
+        weight_fp8 = tuple(weight_fp8)
+    out = _FP8GroupedMM.apply(a, b, offs, recipe, weight_fp8)
     if bias is not None:
         out = out + expand_groups(bias, offs, a.shape[0]).to(out.dtype)
     return out
 
 
-__all__ = ["FP8_RECIPES", "fp8_grouped_mm"]
+__all__ = ["FP8_RECIPES", "fp8_grouped_mm", "quantize_weight"]

@@ -445,6 +445,34 @@ def test_fp8_grouped_mm_gradients_close_to_exact(recipe):
     assert (got[0][int(offs[-1]):] == 0).all()
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_grouped_mm_with_weight_quantized_beforehand(recipe):
+    """weight_fp8 (quantize_weight, once per optimizer step) gives the same output and gradients
+    as quantizing the weight in the call, bit for bit."""
+    gen = torch.Generator().manual_seed(18)
+    M, K, N, G = 160, 256, 128, 3
+    x = torch.randn(M, K, generator=gen, requires_grad=True)
+    w = (torch.randn(G, N, K, generator=gen) / K ** 0.5).requires_grad_(True)
+    offs = random_offsets(M, G, generator=gen, empty_groups=1, tail=3)
+    grad = torch.randn(M, N, generator=gen)
+    results = []
+    for weight_fp8 in (None, cm.quantize_weight(w, recipe)):
+        y = cm.fp8_grouped_mm(x, w.mT, offs, recipe=recipe, weight_fp8=weight_fp8)
+        y.backward(grad)
+        results.append((y.detach(), x.grad, w.grad))
+        x.grad = w.grad = None
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+    with pytest.raises(TypeError, match="weight_fp8 must be the 4 tensors"):
+        cm.fp8_grouped_mm(x, w.mT, offs, recipe=recipe, weight_fp8=cm.quantize_weight(w, recipe)[:2])
+    other = "fp8_rowwise" if recipe != "fp8_rowwise" else "fp8_blockwise"
+    with pytest.raises(ValueError, match=r"weight_fp8\[1\] must be"):
+        cm.fp8_grouped_mm(x, w.mT, offs, recipe=recipe, weight_fp8=cm.quantize_weight(w, other))
+    with pytest.raises(ValueError, match=r"weight_fp8\[0\] must be"):
+        cm.fp8_grouped_mm(x, w.mT, offs, recipe=recipe,
+                          weight_fp8=cm.quantize_weight(w[:, :64], recipe))
+
+
 def test_moe_experts_fp8_close_to_high_precision():
     gen = torch.Generator().manual_seed(9)
     T, H, I, E, k = 48, 128, 64, 4, 2
