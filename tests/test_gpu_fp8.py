@@ -402,6 +402,24 @@ def test_fp8_grouped_mm_cuda_graph_replay_with_new_offsets():
         assert torch.equal(out, fn())
 
 
+def test_fp8_grouped_mm_weight_beforehand_gpu():
+    """weight_fp8 on the GPU kernels: the same output and gradients, bit for bit, no sync."""
+    M, K, N, G = 2048, 1024, 768, 8
+    torch.manual_seed(4)
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(G, N, K, device=DEV, dtype=torch.bfloat16) / K ** 0.5).requires_grad_()
+    offs = skewed_offsets(M, G, seed=2, multiple=16)
+    dy = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
+    wq = cm.quantize_weight(w, "fp8_blockwise")
+    results = []
+    for weight_fp8 in (None, wq):
+        with no_sync():
+            y = cm.fp8_grouped_mm(x, w.mT, offs, recipe="fp8_blockwise", weight_fp8=weight_fp8)
+            results.append((y, *torch.autograd.grad(y, (x, w), dy)))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_moe_experts_fp8_compiled_no_sync(recipe):
     T, H, I, E, k = 512, 1024, 512, 16, 4
