@@ -14,6 +14,7 @@ import functools
 import hashlib
 import os
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -170,6 +171,30 @@ def _current_raw_stream(device_index: int) -> int:
     return get(device_index) if get is not None else torch.cuda.current_stream(device_index).cuda_stream
 
 
+_thread = threading.local()
+
+
+def _ensure_context(device_index: int) -> None:
+    """Make the device's primary context (the one torch uses) current on this thread, once per
+    thread and device. Driver-API launches run on the calling thread's current context, and a
+    thread that has only reused torch's cached memory may have none: autograd runs backward on
+    its own thread, where a csrc launch as the first GPU work failed with
+    CUDA_ERROR_INVALID_CONTEXT."""
+    done = getattr(_thread, "contexts", None)
+    if done is None:
+        done = _thread.contexts = set()
+    if device_index in done:
+        return
+    from cuda.bindings import driver
+
+    err, ctx = driver.cuDevicePrimaryCtxRetain(driver.CUdevice(device_index))
+    if err == driver.CUresult.CUDA_SUCCESS:
+        err, = driver.cuCtxSetCurrent(ctx)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"making device {device_index}'s primary context current failed: {err}")
+    done.add(device_index)
+
+
 @functools.lru_cache(maxsize=None)
 def _launch_config(grid: int, block: int, shared_bytes: int):
     from cuda.core import LaunchConfig
@@ -185,6 +210,7 @@ def launch(function, grid: int, block: int, shared_bytes: int, *args) -> None:
     """
     from cuda.core import launch as cuda_launch
 
+    _ensure_context(torch.cuda.current_device())
     stream = _stream(_current_raw_stream(torch.cuda.current_device()))
     params = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
     cuda_launch(stream, _launch_config(grid, block, shared_bytes), function, *params)
@@ -257,6 +283,7 @@ def max_active_clusters(function, block: int, shared_bytes: int, grid: int) -> i
     cluster's CTAs share a GPC, so with one CTA per SM this can be below SMs / cluster size."""
     from cuda.bindings import driver
 
+    _ensure_context(torch.cuda.current_device())
     config = driver.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
     config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
@@ -276,6 +303,7 @@ def launch_driver(function, grid: int, block: int, shared_bytes: int, *args) -> 
     from cuda.bindings import driver
 
     device_index = torch.cuda.current_device()
+    _ensure_context(device_index)
     values = [ctypes.c_uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else a for a in args]
     pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
     err, = driver.cuLaunchKernel(

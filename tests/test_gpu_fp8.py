@@ -420,6 +420,31 @@ def test_fp8_grouped_mm_weight_beforehand_gpu():
         assert torch.equal(got, want)
 
 
+def test_csrc_kernels_launch_from_a_new_thread():
+    """A thread with no current CUDA context (as autograd's backward thread may be) launches the
+    csrc kernels: native makes torch's primary context current for it."""
+    import threading
+
+    x = torch.randn(1024, 512, device=DEV, dtype=torch.bfloat16)
+    offs = skewed_offsets(1024, 4, seed=9, multiple=16)
+    want = torch.ops.compiled_moe.grouped_quantize(x, offs, "fp8_blockwise", True, True)
+    got, errors = [], []
+
+    def work():
+        try:
+            got.append(torch.ops.compiled_moe.grouped_quantize(x, offs, "fp8_blockwise", True, True))
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    for g, w in zip(got[0], want):
+        _same(g, w)
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_moe_experts_fp8_compiled_no_sync(recipe):
     T, H, I, E, k = 512, 1024, 512, 16, 4
