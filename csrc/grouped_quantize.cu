@@ -29,7 +29,8 @@
 // bandwidth on the H200 against 0.37-0.43 for the Triton kernel it would replace, so mxfp8
 // stays on Triton (benchmarks/RESULTS.md); the tile shape is kept as parameters (ROWS).
 
-#define FULL_MASK 0xffffffffu
+#include "block.cuh"
+
 #define THREADS 256
 #define MIN_BLOCKS 2  // blocks per SM the registers must allow
 
@@ -39,35 +40,6 @@ typedef unsigned long long u64;
 enum { DT_BF16 = 0, DT_F16 = 1, DT_F32 = 2 };
 
 // --------------------------------------------------------------------------- the slot's rows
-
-// Block-wide exclusive scan of one int per thread; `scratch` holds 32 ints of shared memory.
-// MAX: a running max instead of a sum. *total gets the whole block's sum (or max).
-template <bool MAX>
-__device__ int block_exclusive_scan(int v, int* scratch, int* total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-  int inc = v;
-  for (int d = 1; d < 32; d <<= 1) {
-    int o = __shfl_up_sync(FULL_MASK, inc, d);
-    if (lane >= d) inc = MAX ? max(inc, o) : inc + o;
-  }
-  __syncthreads();  // scratch may still be read by a previous call
-  if (lane == 31) scratch[warp] = inc;
-  __syncthreads();
-  if (warp == 0) {
-    int w = lane < num_warps ? scratch[lane] : 0;
-    for (int d = 1; d < 32; d <<= 1) {
-      int o = __shfl_up_sync(FULL_MASK, w, d);
-      if (lane >= d) w = MAX ? max(w, o) : w + o;
-    }
-    scratch[lane] = w;  // inclusive prefix of warp totals
-  }
-  __syncthreads();
-  *total = scratch[num_warps - 1];
-  const int before = warp > 0 ? scratch[warp - 1] : 0;
-  const int excl_in_warp = __shfl_up_sync(FULL_MASK, inc, 1);
-  if (MAX) return lane > 0 ? max(before, excl_in_warp) : before;
-  return before + inc - v;
-}
 
 __device__ __forceinline__ int group_end(const int* offs, int g, int G, int M) {
   return g < G ? min(max(offs[g], 0), M) : M;

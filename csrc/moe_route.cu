@@ -17,38 +17,13 @@
 // Inside a chunk, warp w owns a contiguous slice, so ranks only need per-warp counts
 // (warp_count[w][e] in shared memory) and one scan over warps per expert.
 
-#define FULL_MASK 0xffffffffu
+#include "block.cuh"
 
 template <typename IdT>
 __device__ __forceinline__ int load_expert(const IdT* ids, long long i, long long n, int num_experts) {
   if (i >= n) return -1;
   long long e = (long long)ids[i];
   return (e >= 0 && e < num_experts) ? (int)e : -1;
-}
-
-// Block-wide exclusive scan of one int per thread (blockDim.x a multiple of 32, <= 1024).
-// `scratch` holds 32 ints of shared memory. Returns the exclusive prefix; *total gets the sum.
-__device__ int block_exclusive_scan(int v, int* scratch, int* total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-  int inc = v;
-  for (int d = 1; d < 32; d <<= 1) {
-    int o = __shfl_up_sync(FULL_MASK, inc, d);
-    if (lane >= d) inc += o;
-  }
-  __syncthreads();  // scratch may still be read by a previous call
-  if (lane == 31) scratch[warp] = inc;
-  __syncthreads();
-  if (warp == 0) {
-    int w = lane < num_warps ? scratch[lane] : 0;
-    for (int d = 1; d < 32; d <<= 1) {
-      int o = __shfl_up_sync(FULL_MASK, w, d);
-      if (lane >= d) w += o;
-    }
-    scratch[lane] = w;  // inclusive prefix of warp totals
-  }
-  __syncthreads();
-  *total = scratch[num_warps - 1];
-  return (warp > 0 ? scratch[warp - 1] : 0) + inc - v;
 }
 
 // Dynamic shared memory: warp_count[num_warps][num_experts] ints.

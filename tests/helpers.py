@@ -128,6 +128,21 @@ def no_sync():
         torch.cuda.set_sync_debug_mode(0)
 
 
+def capture_graph(fn):
+    """fn run once, then once on a side stream (warm-up, as capture needs), then captured in a
+    CUDA graph: (graph, what fn returned during the capture: the graph's output tensors)."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def poison_allocator(nbytes):
     """Fill freed caching-allocator blocks with NaN so an unwritten output element shows."""
     torch.empty(nbytes // 4 + 1024, device="cuda").fill_(float("nan"))

@@ -9,7 +9,7 @@ import torch
 
 import compiled_moe as cm
 from compiled_moe import reference as R
-from helpers import no_sync, poison_allocator
+from helpers import capture_graph, no_sync, poison_allocator
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -116,16 +116,8 @@ def test_quantize_cuda_graph_replay_with_new_offsets(recipe):
     M, K, G = 4096, 1024, 16
     x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
     offs = skewed_offsets(M, G, seed=1, multiple=16)
-    fn = lambda: cm.grouped_quantize(x, offs, recipe, rowwise=True, columnwise=True)  # noqa: E731
-    fn()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = fn()
+    graph, outs = capture_graph(
+        lambda: cm.grouped_quantize(x, offs, recipe, rowwise=True, columnwise=True))
     for seed in (5, 6):
         offs.copy_(skewed_offsets(M, G, seed=seed, tail=64, multiple=16 if seed == 5 else 1))
         graph.replay()
@@ -386,15 +378,7 @@ def test_fp8_grouped_mm_cuda_graph_replay_with_new_offsets():
     w = torch.randn(G, N, K, device=DEV, dtype=torch.bfloat16) / K ** 0.5
     offs = skewed_offsets(M, G, seed=1, multiple=16)
     fn = lambda: cm.fp8_grouped_mm(x, w.mT, offs, recipe="fp8_blockwise")  # noqa: E731
-    fn()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    graph, out = capture_graph(fn)
     for seed in (5, 6):
         offs.copy_(skewed_offsets(M, G, seed=seed, tail=64, multiple=16))
         graph.replay()
