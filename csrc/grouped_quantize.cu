@@ -220,7 +220,8 @@ template <int LANES, typename Row>
 __device__ __forceinline__ float row_amax(const Row& v) {
   float amax = v.amax();
 #pragma unroll
-  for (int d = 1; d < LANES; d <<= 1) amax = max_keep_nan(amax, __shfl_xor_sync(FULL_MASK, amax, d));
+  for (int d = 1; d < LANES; d <<= 1)
+    amax = max_keep_nan(amax, __shfl_xor_sync(FULL_MASK, amax, d));
   return amax;
 }
 
@@ -235,8 +236,8 @@ __device__ __forceinline__ void store_row(const Scale& q, const Row& v, unsigned
 
 // The column blocks' bytes of a thread's 8 x 8 values into the transposing buffer. Column j's
 // 8 bytes (rows of row group rg) form 8-byte unit u = column * GROUPS + rg, placed in 128-byte
-// line u / 16 at position (u % 16) ^ (c % 16): the lanes of a warp (16 or 32 chunks c) then
-// write distinct banks but for pairs.
+// line u / 16 at position (u % 16) ^ (c % 16): the 32 lanes of a warp (16 chunks c, two row
+// groups) then write distinct banks but for pairs, the fewest for 256 bytes.
 template <bool EXACT, int GROUPS, typename Scale, typename Row>
 __device__ __forceinline__ void transpose_columns(unsigned char* transposed, const Row* v,
                                                   const float* s, const float* y, int c, int rg) {
@@ -256,12 +257,14 @@ __device__ __forceinline__ void transpose_columns(unsigned char* transposed, con
 // --------------------------------------------------------------------------- the kernel
 
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)),
-               "l"(src));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+               ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
 
 // Shared memory of a block, in bytes (the launcher sizes the dynamic allocation with it).
 template <int DT, int ROWS>
@@ -278,7 +281,7 @@ struct Layout {
   static constexpr int SLOTS = SCRATCH + 32 * 4;            // (slots + 1) ints
 };
 
-// Persistent: block b takes items b, b + B, b + 2B, ... of the S x tiles (slot, column tile)
+// Persistent: block b takes items b, b + B, b + 2B, ... of the used slots x column tiles
 // items, ordered in bands of slot_group slots: within a band, slot fastest, then column tile.
 // The blocks running together then cover a few neighbouring slots across many column tiles:
 // they read long runs of each row of x, and the 16-byte pieces they store along M fill the same
@@ -290,9 +293,8 @@ template <int DT, int ROWS, int ROW_BLOCK, typename Scale, bool ROWWISE>
 __device__ void quantize_group_columns(
     const void* __restrict__ x_, long long ldx, const int* __restrict__ offs, int M, int K, int G,
     int S, int slot_group, unsigned char* __restrict__ col_q, long long ldcq,
-    void* __restrict__ col_s,
-    long long lds, unsigned char* __restrict__ row_q, long long ldrq, void* __restrict__ row_s,
-    long long ldrs) {
+    void* __restrict__ col_s, long long lds, unsigned char* __restrict__ row_q, long long ldrq,
+    void* __restrict__ row_s, long long ldrs) {
   using L = Layout<DT, ROWS>;
   constexpr int CHUNKS = L::CHUNKS, COLS = L::COLS, GROUPS = L::GROUPS, ESIZE = L::ESIZE;
   constexpr int ROW_LANES = ROW_BLOCK / 8;  // lanes sharing a row block
@@ -329,7 +331,7 @@ __device__ void quantize_group_columns(
   };
   const int t = threadIdx.x, c = t % CHUNKS, rg = t / CHUNKS;
   const char* x = static_cast<const char*>(x_);
-  // This thread's sub-tile of an item in stage `buf`: rows rg * 8 + i, bytes [16 * c * COPIES, +8 * ESIZE).
+  // This thread's sub-tile in stage `buf`: row rg * 8 + i, columns 8c .. 8c + 7.
   auto sub_tile = [&](int buf, int i) {
     return smem + buf * L::TILE + (rg * 8 + i) * (COLS * ESIZE) + c * 8 * ESIZE;
   };
@@ -362,7 +364,8 @@ __device__ void quantize_group_columns(
     cp_async_wait<1>();  // this thread's copies of item w have landed
     Row8<DT> v[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i].load_shared(sub_tile(buf, i), col_ok && row0 + rg * 8 + i < row_end);
+    for (int i = 0; i < 8; ++i)
+      v[i].load_shared(sub_tile(buf, i), col_ok && row0 + rg * 8 + i < row_end);
 
     if (ROWWISE) {  // 1 x ROW_BLOCK blocks: 8 values here, the rest in ROW_LANES - 1 lanes
       const int lane_in_block = c % ROW_LANES;
@@ -403,8 +406,9 @@ __device__ void quantize_group_columns(
     // Column blocks: this thread's 8 rows, then every row group's in shared memory.
     float part[8];
     Row8<DT>::column_amax(v, part);
-    reinterpret_cast<float4*>(&partial[rg][8 * c])[0] = make_float4(part[0], part[1], part[2], part[3]);
-    reinterpret_cast<float4*>(&partial[rg][8 * c])[1] = make_float4(part[4], part[5], part[6], part[7]);
+    float4* my_partial = reinterpret_cast<float4*>(&partial[rg][8 * c]);
+    my_partial[0] = make_float4(part[0], part[1], part[2], part[3]);
+    my_partial[1] = make_float4(part[4], part[5], part[6], part[7]);
     __syncthreads();
     for (int k = t; k < COLS; k += THREADS) {
       float amax = partial[0][k];
@@ -457,26 +461,25 @@ __device__ void quantize_group_columns(
         for (int i = 0; i < valid; ++i) dst[i] = (unsigned char)(words[i >> 2] >> (8 * (i & 3)));
       }
     }
-    // No barrier here: the next item writes the partials, the scales and the transposing
-    // buffer only after one, two and three barriers of its own, which every thread reaches
-    // after it finished reading them for this item.
+    // No barrier here: the next item writes the partials after this item's third barrier
+    // (their reads precede the second), the scales after its own first barrier and the
+    // transposing buffer after its own second (their reads here precede the next item's first).
   }
   cp_async_wait<0>();
 }
 
-#define QUANTIZE_KERNEL(NAME, DT, ROWS, ROW_BLOCK, SCALE, ROWWISE)                                  \
-  extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) NAME(                                      \
-      const void* x, long long ldx, const int* offs, int M, int K, int G, int S, int slot_group,   \
-      unsigned char* col_q, long long ldcq, void* col_s, long long lds, unsigned char* row_q,      \
-      long long ldrq, void* row_s, long long ldrs) {                                               \
-    quantize_group_columns<DT, ROWS, ROW_BLOCK, SCALE, ROWWISE>(x, ldx, offs, M, K, G, S,           \
-                                                                slot_group, col_q,                 \
-                                                                ldcq, col_s, lds, row_q, ldrq,     \
-                                                                row_s, ldrs);                      \
+#define QUANTIZE_KERNEL(NAME, DT, ROWS, ROW_BLOCK, SCALE, ROWWISE)                            \
+  extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) NAME(                    \
+      const void* x, long long ldx, const int* offs, int M, int K, int G, int S,             \
+      int slot_group, unsigned char* col_q, long long ldcq, void* col_s, long long lds,      \
+      unsigned char* row_q, long long ldrq, void* row_s, long long ldrs) {                   \
+    quantize_group_columns<DT, ROWS, ROW_BLOCK, SCALE, ROWWISE>(                             \
+        x, ldx, offs, M, K, G, S, slot_group, col_q, ldcq, col_s, lds, row_q, ldrq, row_s,   \
+        ldrs);                                                                               \
   }
 
-#define QUANTIZE_KERNELS(SUFFIX, DT)                                                             \
-  QUANTIZE_KERNEL(quantize_columns_fp8_blockwise_##SUFFIX, DT, 128, 128, ScaleF32, false)        \
+#define QUANTIZE_KERNELS(SUFFIX, DT)                                                       \
+  QUANTIZE_KERNEL(quantize_columns_fp8_blockwise_##SUFFIX, DT, 128, 128, ScaleF32, false)  \
   QUANTIZE_KERNEL(quantize_rows_columns_fp8_blockwise_##SUFFIX, DT, 128, 128, ScaleF32, true)
 
 QUANTIZE_KERNELS(bf16, DT_BF16)

@@ -236,7 +236,6 @@ def quantize_config(kind: str, device_type: str, cols: int = 0) -> TileConfig:
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def quantize_columns_cuda_config(shared_bytes: int, rowwise: bool) -> TileConfig:
     """Blocks per SM and item order of the persistent CUDA columnwise quantize kernels
     (csrc/grouped_quantize.cu), whose tile is fixed (128 x 128, 256 threads). H200, bf16, the
@@ -256,6 +255,7 @@ def quantize_columns_cuda_config(shared_bytes: int, rowwise: bool) -> TileConfig
     return _choose("quantize_columns_cuda", (shared_bytes, rowwise), "cuda", heuristic)
 
 
+@functools.lru_cache(maxsize=None)
 def scaled_grouped_mm_config(n: int, k: int, recipe: str, device_type: str) -> TileConfig:
     """Tile of the FP8 forward/dgrad kernel. BLOCK_K is 128 for fp8_blockwise (one scale block
     per dot) and a multiple of 32 for mxfp8."""

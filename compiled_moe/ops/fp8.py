@@ -168,11 +168,11 @@ def _(x, offs, recipe, rowwise=True, columnwise=False):
 
 
 # The CUDA kernels of csrc/grouped_quantize.cu, which grouped_quantize calls for fp8_blockwise
-# columnwise output of 2-D x (the Triton kernels reached 0.29-0.41 of copy bandwidth there on the
-# H200; benchmarks/RESULTS.md has both). Opaque, as the
-# Hopper GEMMs: inductor cannot trace a driver launch. It repeats the checks (it is reachable
-# as torch.ops.compiled_moe.grouped_quantize_columns_cuda) and runs the Triton kernels where x's
-# address is not 16-byte aligned.
+# columnwise output of 2-D x (0.49-0.63 of copy bandwidth on the H200 with rowwise output too,
+# where the Triton launches reached 0.32-0.41; benchmarks/RESULTS.md). Opaque, as the Hopper
+# GEMMs: inductor cannot trace a driver launch. It repeats the checks (it is reachable as
+# torch.ops.compiled_moe.grouped_quantize_columns_cuda) and runs the Triton kernels where x's
+# address is not 16-byte aligned or the slot table does not fit in shared memory.
 @torch.library.custom_op("compiled_moe::grouped_quantize_columns_cuda", mutates_args=(),
                          device_types="cuda")
 def _grouped_quantize_columns_cuda(x: Tensor, offs: Tensor, recipe: str,
