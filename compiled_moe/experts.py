@@ -17,7 +17,8 @@ from torch import Tensor
 from compiled_moe.reference import (ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS,
                                     GPT_OSS_ALPHA, GPT_OSS_LIMIT, check_recipe)
 from compiled_moe.kernels.configs import mlp_gathers_input
-from compiled_moe.mlp import _needs_grad, activation_constants, apply_activation, grouped_linear
+from compiled_moe.mlp import (_needs_grad, activation_constants, apply_activation,
+                              check_fp8_weights, grouped_linear)
 from compiled_moe.ops._dispatch import check_same_device, check_tensor
 
 
@@ -61,7 +62,8 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
                 *, activation: str | Callable[[Tensor], Tensor] = "swiglu", gate_up_layout: str = "stacked",
                 b1: Tensor | None = None, b2: Tensor | None = None,
                 alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT,
-                fp8_recipe: str | None = None, fused: bool | None = None) -> Tensor:
+                fp8_recipe: str | None = None, fused: bool | None = None,
+                fp8_weights: tuple | None = None) -> Tensor:
     """Run every token through its top-k experts and sum the outputs with the routing weights.
 
     ``out[t] = sum_s topk_weights[t, s] * FC2_e(act(FC1_e(hidden[t])))`` with e = topk_ids[t, s].
@@ -91,12 +93,16 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
             default) picks it whenever those hold. It keeps 0.39-0.71x the memory for backward
             of the unfused path at about the same speed (H200, compiled forward+backward
             0.96-1.00x over the four model shapes, forward 0.96-1.14x; benchmarks/RESULTS.md).
+        fp8_weights: with fp8_recipe, ``(quantize_weight(w1, recipe), quantize_weight(w2,
+            recipe))`` computed beforehand (once per optimizer step for several micro-batches);
+            None quantizes the weights in the call.
 
     Returns:
         (T, H) in hidden's dtype. Differentiable in hidden, w1, w2, b1, b2 and topk_weights.
     """
     _check_experts_args(hidden, topk_ids, topk_weights, w1, w2, activation, gate_up_layout, b1, b2,
                         fp8_recipe)
+    w1_fp8, w2_fp8 = check_fp8_weights(fp8_weights, fp8_recipe)
     num_experts = w1.shape[0]
     if fused is None:
         fused = fp8_recipe is None and not callable(activation)
@@ -119,10 +125,10 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
     pad = 1 if fp8_recipe is None else 16
     offs, row_of, source = torch.ops.compiled_moe.moe_route(topk_ids, num_experts, pad)
     x = torch.ops.compiled_moe.moe_permute(hidden, row_of, source)
-    h = grouped_linear(x, w1, offs, b1, fp8_recipe)
+    h = grouped_linear(x, w1, offs, b1, fp8_recipe, w1_fp8)
     if callable(activation):
         a = activation(h)
     else:
         a = apply_activation(h, activation, gate_up_layout, alpha, limit)
-    y = grouped_linear(a, w2, offs, b2, fp8_recipe)
+    y = grouped_linear(a, w2, offs, b2, fp8_recipe, w2_fp8)
     return torch.ops.compiled_moe.moe_unpermute(y, row_of, source, topk_weights)

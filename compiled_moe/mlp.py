@@ -35,11 +35,25 @@ def apply_activation(h: Tensor, activation: str, gate_up_layout: str, alpha: flo
 
 
 def grouped_linear(x: Tensor, w: Tensor, offs: Tensor, bias: Tensor | None,
-                   fp8_recipe: str | None) -> Tensor:
-    """x @ w[g].T (+ bias[g]) for a (G, N, K) weight, in x's dtype or in FP8."""
+                   fp8_recipe: str | None, weight_fp8: tuple | None = None) -> Tensor:
+    """x @ w[g].T (+ bias[g]) for a (G, N, K) weight, in x's dtype or in FP8 (weight_fp8: w's
+    quantize_weight, computed beforehand)."""
     if fp8_recipe is None:
         return torch.ops.compiled_moe.grouped_mm(x, w.transpose(-2, -1), offs, bias)
-    return fp8_grouped_mm(x, w.transpose(-2, -1), offs, recipe=fp8_recipe, bias=bias)
+    return fp8_grouped_mm(x, w.transpose(-2, -1), offs, recipe=fp8_recipe, bias=bias,
+                          weight_fp8=weight_fp8)
+
+
+def check_fp8_weights(fp8_weights, fp8_recipe) -> tuple:
+    """(w1's, w2's) quantize_weight results, or (None, None)."""
+    if fp8_weights is None:
+        return None, None
+    if fp8_recipe is None:
+        raise ValueError("fp8_weights needs fp8_recipe (the recipe they were quantized with)")
+    if not isinstance(fp8_weights, (tuple, list)) or len(fp8_weights) != 2:
+        raise TypeError("fp8_weights must be (quantize_weight(w1, recipe), "
+                        "quantize_weight(w2, recipe))")
+    return tuple(fp8_weights)
 
 
 class WeightGradStore:
@@ -147,7 +161,7 @@ def moe_mlp(x_sorted: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, *, activatio
             limit: float = GPT_OSS_LIMIT, fuse_wgrad_accumulation: bool = False,
             accumulate_mask: Tensor | None = None,
             wgrad_store: WeightGradStore | None = None,
-            fp8_recipe: str | None = None) -> Tensor:
+            fp8_recipe: str | None = None, fp8_weights: tuple | None = None) -> Tensor:
     """FC1 -> activation (* probs) -> FC2 per expert, on rows already sorted by expert.
 
     ``y[r] = (act(x[r] @ w1[g]^T + b1[g]) * probs[r]) @ w2[g]^T + b2[g]`` for the rows r of
@@ -184,14 +198,19 @@ def moe_mlp(x_sorted: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, *, activatio
             H and I multiples of 16), the activation between them in x's dtype. Unfused:
             three steps each way, the activation kept for backward. Not combined with the
             three training options above yet.
+        fp8_weights: with fp8_recipe, ``(quantize_weight(w1, recipe), quantize_weight(w2,
+            recipe))`` computed beforehand, e.g. once per optimizer step for several
+            micro-batches (see :func:`compiled_moe.fp8_grouped_mm`); None quantizes the weights
+            in the call.
 
     Returns:
         (M, H) in x's dtype. Differentiable in x_sorted, w1, w2, probs, b1 and b2.
     """
+    w1_fp8, w2_fp8 = check_fp8_weights(fp8_weights, fp8_recipe)
     if fp8_recipe is not None:
         return _fp8_mlp(x_sorted, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, alpha,
                         limit, fuse_wgrad_accumulation or accumulate_mask is not None
-                        or wgrad_store is not None, fp8_recipe)
+                        or wgrad_store is not None, fp8_recipe, w1_fp8, w2_fp8)
     if fuse_wgrad_accumulation or accumulate_mask is not None or wgrad_store is not None:
         _check_training_args(w1, w2, fuse_wgrad_accumulation, accumulate_mask, wgrad_store)
         return _MoEMLPTraining.apply(x_sorted, offs, w1, w2, probs, b1, b2, activation,
@@ -205,15 +224,15 @@ def moe_mlp(x_sorted: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, *, activatio
 
 
 def _fp8_mlp(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, alpha, limit,
-             training_options, fp8_recipe):
+             training_options, fp8_recipe, w1_fp8, w2_fp8):
     """moe_mlp with FP8 GEMMs: FC1, the activation (* probs) in x's dtype, FC2."""
     check_recipe(fp8_recipe)
     if training_options:
         raise ValueError("fp8_recipe does not combine with fuse_wgrad_accumulation, "
                          "accumulate_mask or wgrad_store yet")
     mlp_ops.check_inputs(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2)
-    h = grouped_linear(x, w1, offs, b1, fp8_recipe)
+    h = grouped_linear(x, w1, offs, b1, fp8_recipe, w1_fp8)
     a = apply_activation(h, activation, gate_up_layout, alpha, limit)
     if probs is not None:
         a = a * probs[:, None].to(a.dtype)
-    return grouped_linear(a, w2, offs, b2, fp8_recipe)
+    return grouped_linear(a, w2, offs, b2, fp8_recipe, w2_fp8)

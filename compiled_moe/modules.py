@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from compiled_moe.experts import moe_experts
-from compiled_moe.fp8 import fp8_grouped_mm
+from compiled_moe.fp8 import fp8_grouped_mm, quantize_weight
 from compiled_moe.reference import GATED_ACTIVATIONS, GPT_OSS_ALPHA, GPT_OSS_LIMIT
 
 
@@ -27,12 +27,30 @@ def _init_like_linear(weight: Tensor, bias: Tensor | None, in_features: int) -> 
             bias.uniform_(-bound, bound)
 
 
+def _fp8_weights(module: nn.Module, weights: tuple, is_first_microbatch: bool | None):
+    """The FP8 quantization of the module's weights for this call (TransformerEngine's
+    is_first_microbatch): None quantizes them in the call; True quantizes them now and keeps
+    them; False reuses what the last True call kept (the weights must not have changed since:
+    call with True after each optimizer step). Without an fp8_recipe there is nothing to keep."""
+    if module.fp8_recipe is None or is_first_microbatch is None:
+        return None
+    if is_first_microbatch:
+        module._fp8_weight_cache = tuple(quantize_weight(w, module.fp8_recipe) for w in weights)
+    elif getattr(module, "_fp8_weight_cache", None) is None:
+        raise ValueError("is_first_microbatch=False reuses the weights' FP8 quantization of an "
+                         "earlier is_first_microbatch=True call, and there was none")
+    return module._fp8_weight_cache
+
+
 class GroupedLinear(nn.Module):
     """G independent linear layers over row groups: ``y[r] = x[r] @ weight[g].T + bias[g]``.
 
     forward(x (M, in_features), offs int32 (G,)) -> (M, out_features); rows past offs[-1] are 0.
     ``fp8_recipe`` (``fp8_blockwise``, ``fp8_rowwise``, ``mxfp8``) runs forward and backward
     GEMMs in FP8 (:func:`compiled_moe.fp8.fp8_grouped_mm`); None keeps the weight's dtype.
+    forward's ``is_first_microbatch`` (FP8 only, as in TransformerEngine): True quantizes the
+    weight and keeps it, False reuses it for the next micro-batches, None (default) quantizes it
+    in every call.
     """
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, bias: bool = True,
@@ -48,12 +66,13 @@ class GroupedLinear(nn.Module):
     def reset_parameters(self) -> None:
         _init_like_linear(self.weight, self.bias, self.in_features)
 
-    def forward(self, x: Tensor, offs: Tensor) -> Tensor:
+    def forward(self, x: Tensor, offs: Tensor, is_first_microbatch: bool | None = None) -> Tensor:
         from compiled_moe import grouped_mm
 
         if self.fp8_recipe is not None:
+            cached = _fp8_weights(self, (self.weight,), is_first_microbatch)
             return fp8_grouped_mm(x, self.weight.transpose(-2, -1), offs, recipe=self.fp8_recipe,
-                                  bias=self.bias)
+                                  bias=self.bias, weight_fp8=cached and cached[0])
         return grouped_mm(x, self.weight.transpose(-2, -1), offs, bias=self.bias)
 
     def extra_repr(self) -> str:
@@ -69,7 +88,8 @@ class MoEExperts(nn.Module):
     activations (I otherwise), ``down_proj`` (E, H, I), and with ``bias=True``
     ``gate_up_proj_bias`` (E, N1), ``down_proj_bias`` (E, H). ``weights_transposed=True`` stores
     the two weights as (E, H, N1) and (E, I, H) instead. ``fp8_recipe`` runs both grouped GEMMs
-    in FP8 (see :func:`compiled_moe.moe_experts`).
+    in FP8 (see :func:`compiled_moe.moe_experts`), with forward's ``is_first_microbatch`` as in
+    :class:`GroupedLinear`.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
@@ -98,14 +118,16 @@ class MoEExperts(nn.Module):
         _init_like_linear(self.gate_up_proj, self.gate_up_proj_bias, self.hidden_size)
         _init_like_linear(self.down_proj, self.down_proj_bias, self.intermediate_size)
 
-    def forward(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+    def forward(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+                is_first_microbatch: bool | None = None) -> Tensor:
         w1, w2 = self.gate_up_proj, self.down_proj
         if self.weights_transposed:
             w1, w2 = w1.transpose(-2, -1), w2.transpose(-2, -1)
         return moe_experts(hidden, topk_ids, topk_weights, w1, w2, activation=self.activation,
                            gate_up_layout=self.gate_up_layout, b1=self.gate_up_proj_bias,
                            b2=self.down_proj_bias, alpha=self.alpha, limit=self.limit,
-                           fp8_recipe=self.fp8_recipe)
+                           fp8_recipe=self.fp8_recipe,
+                           fp8_weights=_fp8_weights(self, (w1, w2), is_first_microbatch))
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "

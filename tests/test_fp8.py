@@ -548,6 +548,41 @@ def test_modules_take_a_recipe():
     assert out.shape == (8, 128) and torch.isfinite(out).all()
 
 
+def test_weights_quantized_once_per_step():
+    """is_first_microbatch (modules) and fp8_weights (moe_experts, moe_mlp): the micro-batches
+    after the first reuse the weights' quantization and give what quantizing in every call
+    gives, bit for bit, gradients included."""
+    gen = torch.Generator().manual_seed(19)
+    moe = cm.MoEExperts(4, 128, 64, fp8_recipe="fp8_blockwise", bias=True)
+    batches = [(torch.randn(12, 128, generator=gen), torch.randint(0, 4, (12, 2), generator=gen),
+                torch.rand(12, 2, generator=gen)) for _ in range(3)]
+
+    def run(flags):
+        moe.zero_grad()
+        outs = [moe(*b, is_first_microbatch=f) for b, f in zip(batches, flags)]
+        sum(o.square().sum() for o in outs).backward()
+        return outs + [p.grad.clone() for p in moe.parameters()]
+
+    for got, want in zip(run([True, False, False]), run([None, None, None])):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="is_first_microbatch=False"):
+        cm.GroupedLinear(2, 128, 32, fp8_recipe="fp8_blockwise")(
+            torch.randn(8, 128), torch.tensor([3, 8], dtype=torch.int32), is_first_microbatch=False)
+    lin = cm.GroupedLinear(2, 128, 32)  # no recipe: nothing to keep, the flag is ignored
+    lin(torch.randn(8, 128), torch.tensor([3, 8], dtype=torch.int32), is_first_microbatch=False)
+
+    x = torch.randn(40, 128, generator=gen)
+    offs = torch.tensor([16, 16, 40], dtype=torch.int32)
+    w1, w2 = torch.randn(3, 128, 128, generator=gen) / 12, torch.randn(3, 128, 64, generator=gen) / 8
+    pair = (cm.quantize_weight(w1, "mxfp8"), cm.quantize_weight(w2, "mxfp8"))
+    assert torch.equal(cm.moe_mlp(x, offs, w1, w2, fp8_recipe="mxfp8", fp8_weights=pair),
+                       cm.moe_mlp(x, offs, w1, w2, fp8_recipe="mxfp8"))
+    with pytest.raises(ValueError, match="fp8_weights needs fp8_recipe"):
+        cm.moe_mlp(x, offs, w1, w2, fp8_weights=pair)
+    with pytest.raises(TypeError, match="fp8_weights must be"):
+        cm.moe_mlp(x, offs, w1, w2, fp8_recipe="mxfp8", fp8_weights=pair[:1])
+
+
 # ------------------------------------------------------------------ opcheck, compile
 
 
