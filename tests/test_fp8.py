@@ -668,6 +668,17 @@ def test_quantize_bad_inputs():
         cm.grouped_quantize(x, offs.long(), columnwise=True)
     with pytest.raises(ValueError, match="rowwise and/or columnwise"):
         cm.grouped_quantize(x, offs, rowwise=False)
+    # The CUDA columnwise kernel's op checks like grouped_quantize (its fake, on meta tensors).
+    cuda_op = torch.ops.compiled_moe.grouped_quantize_columns_cuda
+    xm, om = torch.randn(256, 128, device="meta"), offs.to("meta")
+    assert [t.shape for t in cuda_op(xm, om, "fp8_blockwise", True)] == [
+        (256, 128), (256, 1), (128, 256), (128, 2 + 2)]
+    with pytest.raises(TypeError, match="offs must be int32"):
+        cuda_op(xm, om.long(), "fp8_blockwise", True)
+    with pytest.raises(ValueError, match="recipe"):
+        cuda_op(xm, om, "fp4", False)
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        cuda_op(torch.randn(256, device="meta"), om, "fp8_blockwise", False)
 
 
 def test_scaled_mm_bad_inputs():
