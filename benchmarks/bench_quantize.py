@@ -9,9 +9,9 @@ importable, those kernels too.
 
 Byte accounting as benchmarks/bench_fp8.py quantize_rows: x read once (2 bytes per element)
 plus every output written (data, scales), against a bf16 y.copy_(x) of the same tensor
-(4 bytes per element). Columnwise modes are timed three ways: "cuda", what grouped_quantize runs (the CUDA kernels of
-csrc/grouped_quantize.cu), and the Triton kernels with row and column blocks in two launches
-("separate") or one ("fused"). Two timings per case:
+(4 bytes per element). Columnwise modes are timed three ways: "cuda", what grouped_quantize
+runs (for fp8_blockwise the CUDA kernels of csrc/grouped_quantize.cu), and the Triton kernels
+with row and column blocks in two launches ("separate") or one ("fused"). Two timings per case:
   eager  cm.grouped_quantize as a user calls it (triton.testing.do_bench; includes the
          op's host overhead, which small shapes may not hide)
   graph  the same call replayed from a CUDA graph (do_bench_cudagraph): GPU time only

@@ -298,6 +298,7 @@ __device__ void quantize_group_columns(
   using L = Layout<DT, ROWS>;
   constexpr int CHUNKS = L::CHUNKS, COLS = L::COLS, GROUPS = L::GROUPS, ESIZE = L::ESIZE;
   constexpr int ROW_LANES = ROW_BLOCK / 8;  // lanes sharing a row block
+  static_assert(ROW_LANES >= 8, "a row block spans at least 8 lanes (their scales are shared)");
   constexpr int PIECES = COLS * ROWS / 16 / THREADS;  // 16-byte pieces of the transposed tile
   constexpr int COPIES = 8 * ESIZE / 16;    // 16-byte copies per row of a sub-tile
   static_assert(GROUPS * CHUNKS == THREADS, "one thread per 8 x 8 sub-tile");
@@ -368,38 +369,27 @@ __device__ void quantize_group_columns(
       v[i].load_shared(sub_tile(buf, i), col_ok && row0 + rg * 8 + i < row_end);
 
     if (ROWWISE) {  // 1 x ROW_BLOCK blocks: 8 values here, the rest in ROW_LANES - 1 lanes
+      // Lane i of a row block derives row i's scale (a division and a reciprocal) and the
+      // others take it by shuffles: 8 times less of that arithmetic.
       const int lane_in_block = c % ROW_LANES;
-      if (ROW_LANES >= 8) {
-        // fp8_blockwise: lane i of a row block derives row i's scale (a division and a
-        // reciprocal) and the others take it by shuffles: 8 times less of that arithmetic.
-        float a = 0.0f;
+      float a = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const float amax = row_amax<ROW_LANES>(v[i]);
-          a = lane_in_block == i ? amax : a;
-        }
-        const Scale mine = Scale::from_amax(nan_as_inf(a));
-        const int r_mine = row0 + rg * 8 + lane_in_block;
-        // (the row block is inside K when its first chunk is: lane 0's column)
-        if (lane_in_block < 8 && col - 8 * lane_in_block < K && r_mine < row_end)
-          mine.store(row_s, (long long)r_mine * ldrs + col / ROW_BLOCK);
-        const float2 parts = mine.parts();
+      for (int i = 0; i < 8; ++i) {
+        const float amax = row_amax<ROW_LANES>(v[i]);
+        a = lane_in_block == i ? amax : a;
+      }
+      const Scale mine = Scale::from_amax(nan_as_inf(a));
+      const int r_mine = row0 + rg * 8 + lane_in_block;
+      // (the row block is inside K when its first chunk is: lane 0's column)
+      if (lane_in_block < 8 && col - 8 * lane_in_block < K && r_mine < row_end)
+        mine.store(row_s, (long long)r_mine * ldrs + col / ROW_BLOCK);
+      const float2 parts = mine.parts();
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int src = (threadIdx.x & 31 & ~(ROW_LANES - 1)) + i;
-          const Scale q = Scale::from_parts(__shfl_sync(FULL_MASK, parts.x, src),
-                                            __shfl_sync(FULL_MASK, parts.y, src));
-          store_row(q, v[i], row_q, ldrq, row0 + rg * 8 + i, row_end, col, col_ok);
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const Scale q = Scale::from_amax(nan_as_inf(row_amax<ROW_LANES>(v[i])));
-          const int r = row0 + rg * 8 + i;
-          if (lane_in_block == 0 && col_ok && r < row_end)
-            q.store(row_s, (long long)r * ldrs + col / ROW_BLOCK);
-          store_row(q, v[i], row_q, ldrq, r, row_end, col, col_ok);
-        }
+      for (int i = 0; i < 8; ++i) {
+        const int src = (threadIdx.x & 31 & ~(ROW_LANES - 1)) + i;
+        const Scale q = Scale::from_parts(__shfl_sync(FULL_MASK, parts.x, src),
+                                          __shfl_sync(FULL_MASK, parts.y, src));
+        store_row(q, v[i], row_q, ldrq, row0 + rg * 8 + i, row_end, col, col_ok);
       }
     }
 

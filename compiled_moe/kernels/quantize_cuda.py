@@ -51,11 +51,16 @@ def aligned(x) -> bool:
 _SHARED_LIMIT = 227 * 1024
 
 
+def _tile(recipe: str) -> tuple[int, int]:
+    """(rows, columns) of the kernel's item tile: a column block's rows x 16 K elements."""
+    rows = reference.fp8_column_block(recipe)
+    return rows, 16 * 1024 // rows
+
+
 def shared_bytes(dtype: torch.dtype, recipe: str, slots: int) -> int:
     """A block's shared memory (csrc/grouped_quantize.cu, Layout): two stages of the x tile, the
     transposing buffer, the column amax partials and scales, 32 scan ints, the slot table."""
-    rows = reference.fp8_column_block(recipe)
-    cols = 8 * (16 * 128 // rows)
+    rows, cols = _tile(recipe)
     esize = 4 if dtype == torch.float32 else 2
     return (2 * rows * cols * esize + cols * rows + (rows // 8) * cols * 4 + 2 * cols * 4
             + 32 * 4 + (slots + 1) * 4)
@@ -77,8 +82,7 @@ def quantize_group_columns(x, offs, col_q, col_s, row_q, row_s, recipe: str,
     if K == 0:
         return
     G, S = offs.shape[0], col_s.shape[1]
-    rows = reference.fp8_column_block(recipe)
-    num_tiles = -(-K // (8 * (16 * 128 // rows)))
+    num_tiles = -(-K // _tile(recipe)[1])
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     shared = shared_bytes(x.dtype, recipe, S)
     rowwise = row_q is not None
