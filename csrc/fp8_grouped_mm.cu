@@ -71,19 +71,21 @@ struct StepScales {
 // or 4 of 32 (fp32), each 64 rows x 128 bytes.
 __device__ __forceinline__ int staging_boxes(int out_kind) { return out_kind == 2 ? 4 : 2; }
 
-// The epilogue of both kernels: consumer warpgroup `consumer` (thread tid_wg of 128) writes its
-// fragment into its staging boxes once the previous tile's store has read them. Returns after
-// the warpgroup's barrier, with the boxes ready for tma_store_3d (fenced) or for reading back.
-// (The row goes through an opaque move: otherwise the compiler computes the 32 staging
-// addresses once, before the tile loop, and keeps them in registers the k loop needs.)
+// The epilogue of both kernels: consumer warpgroup `consumer` writes its fragment into its
+// staging boxes once the previous tile's store has read them. Returns after the warpgroup's
+// barrier, with the boxes ready for tma_store_3d (fenced) or for reading back. Every thread
+// waits for its own bulk groups (only the storing thread has any), so the code holds no
+// divergent branch and may run while a wgmma is in flight. (The row goes through an opaque
+// move: otherwise the compiler computes the 32 staging addresses once, before the tile loop,
+// and keeps them in registers the k loop needs.)
 __device__ __forceinline__ void stage_output(unsigned char* staging, const float* acc, int out_kind, int consumer,
-                                             int tid_wg, int frag_row, int frag_col) {
-  if (tid_wg == 0) bulk_wait_read();
+                                             int frag_row, int frag_col) {
+  bulk_wait_read();
   named_barrier(2 + consumer, 128);
   int row;
   asm volatile("mov.b32 %0, %1;" : "=r"(row) : "r"(frag_row));
   if (out_kind == 2) stage_fragment_fp32<FRAG / 4>(staging, acc, 0, row, frag_col);
-  else stage_fragment_16bit<FRAG / 4>(staging, acc, row, frag_col, out_kind, [](int) { return make_float2(0.f, 0.f); });
+  else stage_fragment_16bit<FRAG / 4>(staging, acc, row, frag_col, out_kind, nullptr);
   fence_async_shared();
   named_barrier(2 + consumer, 128);
 }
@@ -247,7 +249,7 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
     // (4-byte stores, 8 rows per warp instruction) took 1.01-1.27x this version's time on 13
     // of the 16 bench_fp8 shapes, most where K is short (Qwen3 fc2 1.27x, DeepSeek-V3 fc2
     // 1.09-1.13x), and 0.99-1.00x on the other three (H200).
-    stage_output(staging, acc, out_kind, consumer, tid_wg, frag_row, frag_col);
+    stage_output(staging, acc, out_kind, consumer, frag_row, frag_col);
     if (row0 + 64 <= tile.row_end) {
       if (tid_wg == 0) {
         for (int box = 0; box < staging_boxes(out_kind); ++box)
@@ -355,7 +357,11 @@ __device__ __forceinline__ void cut_row(unsigned char* tile, int row, int valid,
 // cores meanwhile) frees 64 registers: the two-buffer loop spills (ptxas: 96 bytes), the
 // one-buffer loop does not, and where groups are short (1-2 chunks a tile: Qwen3, GPT-OSS) it
 // ran 1.01-1.08x the two-buffer kernel; with 8 chunks a tile (DeepSeek-V3, Mixtral) 0.95-1.03x
-// (H200, same run).
+// (H200, same run). With so few chunks a tile, the epilogue and the tile's place cost as much
+// as a chunk: in ncu's samples at Qwen3 fc1, 16% of the consumers' time went to the tile's
+// place and 17% to the epilogue. The one-buffer loop therefore runs both under the next tile's
+// first wgmma: 1.04-1.13x on Qwen3, 1.00-1.07x on GPT-OSS (H200, same-process A/B, outputs
+// bitwise equal).
 template <bool TWO_BUFFERS>
 __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
     const TensorMap& a_map, const TensorMap& d_map, const TensorMap& out_map,
@@ -481,50 +487,72 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
   int stage = 0;
   u32 phase = 0;
 
-  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    int g, p0, q0;
-    tile_of(t, g, p0, q0);
-    // The same in every lane: ptxas then treats the branches on it as uniform (a divergent
-    // branch inside a wgmma's flight serializes every wgmma).
-    const int steps = __shfl_sync(0xffffffffu, (groups.row_end[g] - groups.row_start[g] + BLOCK_K - 1) / BLOCK_K, 0);
-    // Waits for the next stage (landed, scales in place, cut) and issues its four wgmma into
-    // `part`; returns the stage.
-    auto issue = [&](float* part) {
-      mbar_wait(&full[stage], phase);
-      mbar_wait(&ready[stage], phase);
-      const unsigned char* a_rows = smem + stage * STAGE_BYTES + consumer * (64 * BLOCK_K);
-      const unsigned char* d_tile = smem + stage * STAGE_BYTES + TILE_BYTES;
-      wgmma_fence();
-      wgmma_m64n128k32_first(part, smem_desc(a_rows), smem_desc(d_tile));
+  // The chunks of group g's tiles, the same in every lane: ptxas then treats the branches on it
+  // as uniform (a divergent branch inside a wgmma's flight serializes every wgmma).
+  auto group_steps = [&](int g) {
+    return __shfl_sync(0xffffffffu, (groups.row_end[g] - groups.row_start[g] + BLOCK_K - 1) / BLOCK_K, 0);
+  };
+  // Waits for the next stage (landed, scales in place, cut) and issues its four wgmma into
+  // `part`; returns the stage.
+  auto issue = [&](float* part) {
+    mbar_wait(&full[stage], phase);
+    mbar_wait(&ready[stage], phase);
+    const unsigned char* a_rows = smem + stage * STAGE_BYTES + consumer * (64 * BLOCK_K);
+    const unsigned char* d_tile = smem + stage * STAGE_BYTES + TILE_BYTES;
+    wgmma_fence();
+    wgmma_m64n128k32_first(part, smem_desc(a_rows), smem_desc(d_tile));
 #pragma unroll
-      for (int k = 1; k < BLOCK_K / 32; ++k)
-        wgmma_m64n128k32(part, smem_desc(a_rows + 32 * k), smem_desc(d_tile + 32 * k), 1);
-      wgmma_commit();
-      const int issued = stage;
-      if (++stage == num_stages) { stage = 0; phase ^= 1; }
-      return issued;
-    };
-    // acc += part * (a scale of the row) * (d scale of the column); then the stage (data and
-    // scales) goes back.
-    auto promote = [&](float* part, int part_stage) {
-      fence_registers<FRAG>(part);
-      const float* sc = stage_scales + part_stage * 256;
-      const float a0 = sc[consumer * 64 + frag_row], a1 = sc[consumer * 64 + frag_row + 8];
+    for (int k = 1; k < BLOCK_K / 32; ++k)
+      wgmma_m64n128k32(part, smem_desc(a_rows + 32 * k), smem_desc(d_tile + 32 * k), 1);
+    wgmma_commit();
+    const int issued = stage;
+    if (++stage == num_stages) { stage = 0; phase ^= 1; }
+    return issued;
+  };
+  // acc (+)= part * (a scale of the row) * (d scale of the column) (first: =); then the stage
+  // (data and scales) goes back.
+  auto promote = [&](float* part, int part_stage, bool first) {
+    fence_registers<FRAG>(part);
+    const float* sc = stage_scales + part_stage * 256;
+    const float a0 = sc[consumer * 64 + frag_row], a1 = sc[consumer * 64 + frag_row + 8];
 #pragma unroll
-      for (int j = 0; j < FRAG / 4; ++j) {
-        const float2 d = *(const float2*)(sc + 128 + 8 * j + frag_col);
+    for (int j = 0; j < FRAG / 4; ++j) {
+      const float2 d = *(const float2*)(sc + 128 + 8 * j + frag_col);
+      if (first) {  // a literal at every call: no branch remains
+        acc[4 * j + 0] = part[4 * j + 0] * (a0 * d.x);
+        acc[4 * j + 1] = part[4 * j + 1] * (a0 * d.y);
+        acc[4 * j + 2] = part[4 * j + 2] * (a1 * d.x);
+        acc[4 * j + 3] = part[4 * j + 3] * (a1 * d.y);
+      } else {
         acc[4 * j + 0] = fmaf(part[4 * j + 0], a0 * d.x, acc[4 * j + 0]);
         acc[4 * j + 1] = fmaf(part[4 * j + 1], a0 * d.y, acc[4 * j + 1]);
         acc[4 * j + 2] = fmaf(part[4 * j + 2], a1 * d.x, acc[4 * j + 2]);
         acc[4 * j + 3] = fmaf(part[4 * j + 3], a1 * d.y, acc[4 * j + 3]);
       }
-      __syncwarp();
-      mbar_arrive_if(&empty[part_stage], lane == 0);
-    };
+    }
+    __syncwarp();
+    mbar_arrive_if(&empty[part_stage], lane == 0);
+  };
+  constexpr bool Accumulate = false, Initialize = true;
+  // One thread stores the staged tile by TMA, which clips rows past P and columns past Q; the
+  // store runs on under the next tile's wgmma.
+  auto store_tile = [&](int g, int p0, int q0) {
+    if (tid_wg == 0) {
+      const int box_cols = out_kind == 2 ? 32 : 64, row0 = p0 + consumer * 64;
+      for (int box = 0; box < staging_boxes(out_kind); ++box)
+        if (q0 + box * box_cols < Q && row0 < P)
+          tma_store_3d(&out_map, staging + box * STAGING_BOX_BYTES, q0 + box * box_cols, row0, g);
+      bulk_commit();
+    }
+  };
 
+  if constexpr (TWO_BUFFERS) {
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      int g, p0, q0;
+      tile_of(t, g, p0, q0);
+      const int steps = group_steps(g);
 #pragma unroll
-    for (int i = 0; i < FRAG; ++i) acc[i] = 0.f;
-    if constexpr (TWO_BUFFERS) {
+      for (int i = 0; i < FRAG; ++i) acc[i] = 0.f;
       if (steps > 0) {
         // Steady state, two chunks per turn so both buffers keep fixed registers: issue chunk
         // s + 1, wait until only it is in flight, promote chunk s.
@@ -533,39 +561,66 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
         for (; s + 2 < steps; s += 2) {
           stage_b = issue(part_b);
           wgmma_wait<1>();
-          promote(part_a, stage_a);
+          promote(part_a, stage_a, Accumulate);
           stage_a = issue(part_a);
           wgmma_wait<1>();
-          promote(part_b, stage_b);
+          promote(part_b, stage_b, Accumulate);
         }
         if (s + 1 < steps) {
           stage_b = issue(part_b);
           wgmma_wait<1>();
-          promote(part_a, stage_a);
+          promote(part_a, stage_a, Accumulate);
           wgmma_wait<0>();
-          promote(part_b, stage_b);
+          promote(part_b, stage_b, Accumulate);
         } else {
           wgmma_wait<0>();
-          promote(part_a, stage_a);
+          promote(part_a, stage_a, Accumulate);
         }
       }
-    } else {
-      for (int s = 0; s < steps; ++s) {
-        const int issued = issue(part_a);
-        wgmma_wait<0>();
-        promote(part_a, issued);
-      }
+      // Epilogue (empty groups store zeros).
+      stage_output(staging, acc, out_kind, consumer, frag_row, frag_col);
+      store_tile(g, p0, q0);
     }
-
-    // Epilogue (empty groups store zeros): one thread stores the staged tile by TMA, which
-    // clips rows past P and columns past Q; the store runs on under the next tile's wgmma.
-    stage_output(staging, acc, out_kind, consumer, tid_wg, frag_row, frag_col);
-    if (tid_wg == 0) {
-      const int box_cols = out_kind == 2 ? 32 : 64, row0 = p0 + consumer * 64;
-      for (int box = 0; box < staging_boxes(out_kind); ++box)
-        if (q0 + box * box_cols < Q && row0 < P)
-          tma_store_3d(&out_map, staging + box * STAGING_BOX_BYTES, q0 + box * box_cols, row0, g);
-      bulk_commit();
+  } else {
+    // One buffer: each chunk's wgmma is waited for, then promoted (the other consumer's wgmma
+    // run meanwhile). A tile's epilogue runs under the next tile's first wgmma: the output
+    // staged while it is in flight and stored after it, the next tile's place computed
+    // meanwhile too; the first chunk's promotion initializes acc.
+    int t = blockIdx.x, g = 0, p0 = 0, q0 = 0;
+    if (t < num_tiles) tile_of(t, g, p0, q0);
+    int steps = group_steps(g);
+    int done_g = -1, done_p0 = 0, done_q0 = 0;  // the tile whose output acc holds, unstored
+#pragma unroll
+    for (int i = 0; i < FRAG; ++i) acc[i] = 0.f;
+    for (; t < num_tiles; t += gridDim.x) {
+      int next_g, next_p0, next_q0;
+      const int next = min(t + (int)gridDim.x, num_tiles - 1);
+      if (steps > 0) {
+        const int issued = issue(part_a);
+        stage_output(staging, acc, out_kind, consumer, frag_row, frag_col);
+        tile_of(next, next_g, next_p0, next_q0);
+        wgmma_wait<0>();
+        if (done_g >= 0) store_tile(done_g, done_p0, done_q0);
+        promote(part_a, issued, Initialize);
+        for (int s = 1; s < steps; ++s) {
+          const int issued_s = issue(part_a);
+          wgmma_wait<0>();
+          promote(part_a, issued_s, Accumulate);
+        }
+      } else {  // an empty group: its tile is zeros
+        stage_output(staging, acc, out_kind, consumer, frag_row, frag_col);
+        tile_of(next, next_g, next_p0, next_q0);
+        if (done_g >= 0) store_tile(done_g, done_p0, done_q0);
+#pragma unroll
+        for (int i = 0; i < FRAG; ++i) acc[i] = 0.f;
+      }
+      done_g = g, done_p0 = p0, done_q0 = q0;
+      g = next_g, p0 = next_p0, q0 = next_q0;
+      steps = group_steps(g);
+    }
+    if (done_g >= 0) {
+      stage_output(staging, acc, out_kind, consumer, frag_row, frag_col);
+      store_tile(done_g, done_p0, done_q0);
     }
   }
   if (tid_wg == 0) bulk_wait();

@@ -239,7 +239,7 @@ __device__ __forceinline__ void grouped_mm_wgrad(
       if (out_kind == 2)  // 16 column groups of 8 per half
         stage_fragment_fp32<FRAG / 8>(staging, acc, h * (FRAG / 8), frag_row, frag_col);
       else
-        stage_fragment_16bit<FRAG / 4>(staging, acc, frag_row, frag_col, out_kind, [](int) { return make_float2(0.f, 0.f); });
+        stage_fragment_16bit<FRAG / 4>(staging, acc, frag_row, frag_col, out_kind, nullptr);
       fence_async_shared();
       named_barrier(1 + consumer, 128);
       if (tid == 0) {

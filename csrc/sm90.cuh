@@ -166,20 +166,26 @@ __device__ __forceinline__ void store_one(void* out, int out_kind, long long i, 
 // acc[4j + 2..3] the same columns of row + 8.
 constexpr int STAGING_BOX_BYTES = 64 * 128;
 
-// Column groups j of the fragment, plus bias(j) = the bias pair of its columns, as 2-byte
-// values: box j / 8 holds columns 64 (j / 8) ...
+template <typename T> struct IsNull { static constexpr bool value = false; };
+template <> struct IsNull<decltype(nullptr)> { static constexpr bool value = true; };
+
+// Column groups j of the fragment, plus bias(j) = the bias pair of its columns (bias: a callable,
+// or nullptr for none: adding zeros costs an FADD per element, x + 0 not being x for x = -0),
+// as 2-byte values: box j / 8 holds columns 64 (j / 8) ...
 template <int J, typename Bias>
 __device__ __forceinline__ void stage_fragment_16bit(unsigned char* staging, const float* acc, int frag_row,
                                                      int frag_col, int out_kind, Bias&& bias) {
 #pragma unroll
   for (int j = 0; j < J; ++j) {
-    const float2 b = bias(j);
+    float2 b = make_float2(0.f, 0.f);
+    if constexpr (!IsNull<Bias>::value) b = bias(j);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = frag_row + 8 * r;
       const u32 addr = smem_addr(staging) + row * 128 + (j / 8) * STAGING_BOX_BYTES + (((j % 8) ^ (row & 7)) * 16) + frag_col * 2;
-      asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr),
-                   "r"(pack_half2(out_kind, acc[4 * j + 2 * r] + b.x, acc[4 * j + 2 * r + 1] + b.y)) : "memory");
+      float lo = acc[4 * j + 2 * r], hi = acc[4 * j + 2 * r + 1];
+      if constexpr (!IsNull<Bias>::value) { lo += b.x; hi += b.y; }
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(pack_half2(out_kind, lo, hi)) : "memory");
     }
   }
 }
