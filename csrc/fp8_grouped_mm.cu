@@ -354,14 +354,29 @@ __device__ __forceinline__ void cut_row(unsigned char* tile, int row, int valid,
 
 // TWO_BUFFERS: as the forward, chunk s + 1's wgmma runs while chunk s is promoted. One buffer
 // (wait for each chunk's wgmma, then promote it; the other consumer's wgmma fill the tensor
-// cores meanwhile) frees 64 registers: the two-buffer loop spills (ptxas: 96 bytes), the
-// one-buffer loop does not, and where groups are short (1-2 chunks a tile: Qwen3, GPT-OSS) it
-// ran 1.01-1.08x the two-buffer kernel; with 8 chunks a tile (DeepSeek-V3, Mixtral) 0.95-1.03x
-// (H200, same run). With so few chunks a tile, the epilogue and the tile's place cost as much
-// as a chunk: in ncu's samples at Qwen3 fc1, 16% of the consumers' time went to the tile's
-// place and 17% to the epilogue. The one-buffer loop therefore runs both under the next tile's
-// first wgmma: 1.04-1.13x on Qwen3, 1.00-1.07x on GPT-OSS (H200, same-process A/B, outputs
-// bitwise equal).
+// cores meanwhile) frees 64 registers: the two-buffer loop spills (ptxas: 48 bytes), the
+// one-buffer loop does not. It ran 1.01-1.08x the two-buffer kernel with 1-2 chunks a tile
+// (Qwen3, GPT-OSS), 0.95-1.03x with 8 (DeepSeek-V3, Mixtral). At 1-2 chunks a tile the
+// epilogue and the tile's place cost as much as a chunk (ncu's samples at Qwen3 fc1: 16% of
+// the consumers' time in the tile's place, 17% in the epilogue), so the one-buffer loop runs
+// both under the next tile's first wgmma: 1.04-1.13x on Qwen3, 1.00-1.07x on GPT-OSS; and it
+// reads the scales by ld.shared (the compiler had emitted generic loads) and gives the stage
+// back before the promotion's arithmetic: a further 1.00-1.07x (geometric mean 1.03x).
+// It now runs 1.02-1.08x the two-buffer kernel on all 16 bench_fp8 shapes (H200, same-process
+// A/Bs, outputs bitwise equal), and the configs choose it everywhere; the two-buffer kernel
+// stays for comparisons (benchmarks/ab_fp8_variants.py).
+__device__ __forceinline__ float ld_shared_f32(u32 addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ float2 ld_shared_f32x2(u32 addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+  return v;
+}
+
 template <bool TWO_BUFFERS>
 __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
     const TensorMap& a_map, const TensorMap& d_map, const TensorMap& out_map,
@@ -509,29 +524,42 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
     if (++stage == num_stages) { stage = 0; phase ^= 1; }
     return issued;
   };
-  // acc (+)= part * (a scale of the row) * (d scale of the column) (first: =); then the stage
-  // (data and scales) goes back.
-  auto promote = [&](float* part, int part_stage, bool first) {
-    fence_registers<FRAG>(part);
-    const float* sc = stage_scales + part_stage * 256;
-    const float a0 = sc[consumer * 64 + frag_row], a1 = sc[consumer * 64 + frag_row + 8];
+  // A chunk's scales for this thread: its two rows' of a_t and its columns' of d_t, read by
+  // ld.shared (through the generic pointer the compiler emitted generic loads).
+  struct ChunkScales {
+    float a0, a1;
+    float2 d[FRAG / 4];
+  };
+  auto load_scales = [&](int part_stage) {
+    ChunkScales c;
+    const u32 base = smem_addr(stage_scales + part_stage * 256);
+    c.a0 = ld_shared_f32(base + 4 * (consumer * 64 + frag_row));
+    c.a1 = ld_shared_f32(base + 4 * (consumer * 64 + frag_row + 8));
 #pragma unroll
-    for (int j = 0; j < FRAG / 4; ++j) {
-      const float2 d = *(const float2*)(sc + 128 + 8 * j + frag_col);
-      if (first) {  // a literal at every call: no branch remains
-        acc[4 * j + 0] = part[4 * j + 0] * (a0 * d.x);
-        acc[4 * j + 1] = part[4 * j + 1] * (a0 * d.y);
-        acc[4 * j + 2] = part[4 * j + 2] * (a1 * d.x);
-        acc[4 * j + 3] = part[4 * j + 3] * (a1 * d.y);
-      } else {
-        acc[4 * j + 0] = fmaf(part[4 * j + 0], a0 * d.x, acc[4 * j + 0]);
-        acc[4 * j + 1] = fmaf(part[4 * j + 1], a0 * d.y, acc[4 * j + 1]);
-        acc[4 * j + 2] = fmaf(part[4 * j + 2], a1 * d.x, acc[4 * j + 2]);
-        acc[4 * j + 3] = fmaf(part[4 * j + 3], a1 * d.y, acc[4 * j + 3]);
-      }
-    }
+    for (int j = 0; j < FRAG / 4; ++j) c.d[j] = ld_shared_f32x2(base + 4 * (128 + 8 * j + frag_col));
+    return c;
+  };
+  // The stage (data and scales) goes back once the chunk's wgmma are done and its scales read;
+  // then acc (+)= part * (a scale of the row) * (d scale of the column) (first: =).
+  auto promote = [&](float* part, int part_stage, const ChunkScales& c, bool first) {
+    fence_registers<FRAG>(part);
     __syncwarp();
     mbar_arrive_if(&empty[part_stage], lane == 0);
+#pragma unroll
+    for (int j = 0; j < FRAG / 4; ++j) {
+      const float2 d = c.d[j];
+      if (first) {  // a literal at every call: no branch remains
+        acc[4 * j + 0] = part[4 * j + 0] * (c.a0 * d.x);
+        acc[4 * j + 1] = part[4 * j + 1] * (c.a0 * d.y);
+        acc[4 * j + 2] = part[4 * j + 2] * (c.a1 * d.x);
+        acc[4 * j + 3] = part[4 * j + 3] * (c.a1 * d.y);
+      } else {
+        acc[4 * j + 0] = fmaf(part[4 * j + 0], c.a0 * d.x, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(part[4 * j + 1], c.a0 * d.y, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(part[4 * j + 2], c.a1 * d.x, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(part[4 * j + 3], c.a1 * d.y, acc[4 * j + 3]);
+      }
+    }
   };
   constexpr bool Accumulate = false, Initialize = true;
   // One thread stores the staged tile by TMA, which clips rows past P and columns past Q; the
@@ -561,20 +589,20 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
         for (; s + 2 < steps; s += 2) {
           stage_b = issue(part_b);
           wgmma_wait<1>();
-          promote(part_a, stage_a, Accumulate);
+          promote(part_a, stage_a, load_scales(stage_a), Accumulate);
           stage_a = issue(part_a);
           wgmma_wait<1>();
-          promote(part_b, stage_b, Accumulate);
+          promote(part_b, stage_b, load_scales(stage_b), Accumulate);
         }
         if (s + 1 < steps) {
           stage_b = issue(part_b);
           wgmma_wait<1>();
-          promote(part_a, stage_a, Accumulate);
+          promote(part_a, stage_a, load_scales(stage_a), Accumulate);
           wgmma_wait<0>();
-          promote(part_b, stage_b, Accumulate);
+          promote(part_b, stage_b, load_scales(stage_b), Accumulate);
         } else {
           wgmma_wait<0>();
-          promote(part_a, stage_a, Accumulate);
+          promote(part_a, stage_a, load_scales(stage_a), Accumulate);
         }
       }
       // Epilogue (empty groups store zeros).
@@ -601,11 +629,11 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
         tile_of(next, next_g, next_p0, next_q0);
         wgmma_wait<0>();
         if (done_g >= 0) store_tile(done_g, done_p0, done_q0);
-        promote(part_a, issued, Initialize);
+        promote(part_a, issued, load_scales(issued), Initialize);
         for (int s = 1; s < steps; ++s) {
           const int issued_s = issue(part_a);
           wgmma_wait<0>();
-          promote(part_a, issued_s, Accumulate);
+          promote(part_a, issued_s, load_scales(issued_s), Accumulate);
         }
       } else {  // an empty group: its tile is zeros
         stage_output(staging, acc, out_kind, consumer, frag_row, frag_col);

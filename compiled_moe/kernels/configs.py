@@ -356,11 +356,12 @@ def fp8_wgrad_sm90_config(rows_per_group: int) -> TileConfig:
     the speed of 3 (geometric mean 1.02x) and 5 ran 0.88-0.98x (0.93x) on the 16 bench_fp8
     shapes (H200, same run). The deeper ring leaves less L1 for the per-chunk scale loads.
 
-    One buffer of partial products below 512 rows a group (Qwen3, GPT-OSS: 1-2 chunks a tile),
-    where it ran 1.01-1.08x the two-buffer kernel; two above (DeepSeek-V3, Mixtral: 0.95-1.03x
-    with one). H200, same run; csrc/fp8_grouped_mm.cu says why."""
+    One buffer of partial products at every group size: since the one-buffer kernel runs each
+    tile's epilogue under the next tile's first wgmma, it ran 1.02-1.08x the two-buffer kernel
+    on all 16 bench_fp8 shapes (DeepSeek-V3 and Mixtral, 8 chunks a tile, included; before,
+    0.95-1.03x there). H200, same run; csrc/fp8_grouped_mm.cu says why."""
     def heuristic():
         return TileConfig(block_m=128, block_n=128, block_k=128, num_warps=12, num_stages=4,
-                          product_buffers=1 if rows_per_group < 512 else 2)
+                          product_buffers=1)
 
     return _choose("fp8_wgrad_sm90", (rows_per_group,), "cuda", heuristic)
