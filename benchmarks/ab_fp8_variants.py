@@ -1,10 +1,9 @@
 """Same-process A/B of the Hopper FP8 CUDA kernels' variants (the choices in kernels/configs.py):
-the forward's cluster size and ring depth, the weight gradient's buffers of partial products and
-ring depth. Every model shape x {uniform, skewed}; variants timed in interleaved rounds (best
+the forward's cluster size and ring depth, the weight gradient's ring depth. Every model shape x {uniform, skewed}; variants timed in interleaved rounds (best
 of the rounds' medians), outputs compared bitwise with the first variant's.
 
     python benchmarks/ab_fp8_variants.py forward 1,5 2,5 1,6     # cluster,stages
-    python benchmarks/ab_fp8_variants.py wgrad 2,4 1,4 2,3       # product_buffers,stages
+    python benchmarks/ab_fp8_variants.py wgrad 4 3 5             # stages
 """
 
 from __future__ import annotations
@@ -24,7 +23,11 @@ import compiled_moe as cm  # noqa: E402
 from compiled_moe.kernels import scaled_grouped_mm_sm90 as sm90  # noqa: E402
 
 
-def main(pas: str, variants: list[tuple[int, int]], rounds: int = 3) -> None:
+def name(v: tuple[int, ...]) -> str:
+    return ",".join(map(str, v))
+
+
+def main(pas: str, variants: list[tuple[int, ...]], rounds: int = 3) -> None:
     rows = []
     for shape, routing, proj in itertools.product(MODELS, ("uniform", "skewed"), ("fc1", "fc2")):
         M0, K, N, G = problem(shape, proj)
@@ -45,8 +48,7 @@ def main(pas: str, variants: list[tuple[int, int]], rounds: int = 3) -> None:
             dq = cm.grouped_quantize(dy, offs, "fp8_blockwise", rowwise=False, columnwise=True)
             outs = {v: torch.empty(G, K, N, device="cuda", dtype=torch.bfloat16) for v in variants}
             fns = {v: (lambda v=v: sm90.scaled_grouped_mm_wgrad(xq[2], dq[2], xq[3], dq[3], offs,
-                                                                 "fp8_blockwise", outs[v], num_stages=v[1],
-                                                                 product_buffers=v[0]))
+                                                                 "fp8_blockwise", outs[v], num_stages=v[0]))
                    for v in variants}
         for f in fns.values():
             f()
@@ -59,12 +61,12 @@ def main(pas: str, variants: list[tuple[int, int]], rounds: int = 3) -> None:
         tf = {v: 2 * M * K * N / (min(t) * 1e-3) / 1e12 for v, t in times.items()}
         rows.append(tf)
         print(f"{shape.name} {routing} {proj}".ljust(36)
-              + " ".join(f"{v[0]},{v[1]}: {tf[v]:5.0f} ({tf[v] / tf[variants[0]]:.3f})" for v in variants)
+              + " ".join(f"{name(v)}: {tf[v]:5.0f} ({tf[v] / tf[variants[0]]:.3f})" for v in variants)
               + ("" if same else "  OUTPUTS DIFFER"), flush=True)
         del x, xq, outs, fns
         torch.cuda.empty_cache()
-    print("geometric mean against " + ",".join(map(str, variants[0])) + ": " + " ".join(
-        f"{v[0]},{v[1]} {math.exp(sum(math.log(r[v] / r[variants[0]]) for r in rows) / len(rows)):.3f}"
+    print("geometric mean against " + name(variants[0]) + ": " + " ".join(
+        f"{name(v)} {math.exp(sum(math.log(r[v] / r[variants[0]]) for r in rows) / len(rows)):.3f}"
         for v in variants))
 
 

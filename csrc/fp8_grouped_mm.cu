@@ -317,10 +317,10 @@ FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm_x2, 2, __cluster_dims__(2, 1, 1))
 // Why CUDA: the Triton kernel waits for every chunk's wgmma before scaling it, and stored its
 // tile from registers; it ran at 0.39-0.83x of torch._grouped_mm in bf16. This kernel:
 // 0.89-1.15x (RESULTS.md), about level with bf16. It is the forward kernel's block (producer
-// warp, two consumer warpgroups of 64 rows, one or two buffers of partial products) walking (group,
-// P tile, Q tile) tiles; the producer warpgroup's other three warps stage each chunk's scales
-// (per row of a_t and of d_t) and cut the chunk that passes its group's end in shared memory;
-// the bf16 weight gradient's TMA-store epilogue (the tile leaves under the next tile's wgmma).
+// warp, two consumer warpgroups of 64 rows) walking (group, P tile, Q tile) tiles; the producer
+// warpgroup's other three warps stage each chunk's scales (per row of a_t and of d_t) and cut
+// the chunk that passes its group's end in shared memory; the bf16 weight gradient's TMA-store
+// epilogue (the tile leaves under the next tile's wgmma).
 // Groups must start at multiples of 16 rows (TMA along the rows); see the test on offs below.
 
 constexpr int WGRAD_BAND_P = 8;  // tile order: see band_tile (sm90.cuh)
@@ -352,19 +352,6 @@ __device__ __forceinline__ void cut_row(unsigned char* tile, int row, int valid,
       : "memory");
 }
 
-// TWO_BUFFERS: as the forward, chunk s + 1's wgmma runs while chunk s is promoted. One buffer
-// (wait for each chunk's wgmma, then promote it; the other consumer's wgmma fill the tensor
-// cores meanwhile) frees 64 registers: the two-buffer loop spills (ptxas: 48 bytes), the
-// one-buffer loop does not. It ran 1.01-1.08x the two-buffer kernel with 1-2 chunks a tile
-// (Qwen3, GPT-OSS), 0.95-1.03x with 8 (DeepSeek-V3, Mixtral). At 1-2 chunks a tile the
-// epilogue and the tile's place cost as much as a chunk (ncu's samples at Qwen3 fc1: 16% of
-// the consumers' time in the tile's place, 17% in the epilogue), so the one-buffer loop runs
-// both under the next tile's first wgmma: 1.04-1.13x on Qwen3, 1.00-1.07x on GPT-OSS; and it
-// reads the scales by ld.shared (the compiler had emitted generic loads) and gives the stage
-// back before the promotion's arithmetic: a further 1.00-1.07x (geometric mean 1.03x).
-// It now runs 1.02-1.08x the two-buffer kernel on all 16 bench_fp8 shapes (H200, same-process
-// A/Bs, outputs bitwise equal), and the configs choose it everywhere; the two-buffer kernel
-// stays for comparisons (benchmarks/ab_fp8_variants.py).
 __device__ __forceinline__ float ld_shared_f32(u32 addr) {
   float v;
   asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
@@ -377,7 +364,17 @@ __device__ __forceinline__ float2 ld_shared_f32x2(u32 addr) {
   return v;
 }
 
-template <bool TWO_BUFFERS>
+// One buffer of partial products: each chunk's wgmma is waited for, then promoted, while the
+// other consumer's wgmma fill the tensor cores. As the forward, two buffers (chunk s + 1's
+// wgmma running while chunk s is promoted) were tried: 64 more registers, which spilled (ptxas:
+// 48-96 bytes), and 1.01-1.08x slower with 1-2 chunks a tile (Qwen3, GPT-OSS), 0.95-1.03x
+// with 8 (DeepSeek-V3, Mixtral). At 1-2 chunks a tile the epilogue and the tile's place cost as
+// much as a chunk (ncu's samples at Qwen3 fc1: 16% of the consumers' time in the tile's place,
+// 17% in the epilogue), so both run under the next tile's first wgmma: 1.04-1.13x on Qwen3,
+// 1.00-1.07x on GPT-OSS; the scales are read by ld.shared (the compiler had emitted generic
+// loads) and the stage goes back before the promotion's arithmetic: a further 1.00-1.07x
+// (geometric mean 1.03x). Against two buffers, with the same changes where they apply:
+// 1.02-1.08x on all 16 bench_fp8 shapes (H200, same-process A/Bs, outputs bitwise equal).
 __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
     const TensorMap& a_map, const TensorMap& d_map, const TensorMap& out_map,
     const float* __restrict__ a_scale, long long a_scale_stride_p, int a_scale_stride_s,
@@ -498,7 +495,7 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
   const int frag_row = warp_in_group * 16 + lane / 4;  // within the consumer's 64 rows, and + 8
   const int frag_col = (lane % 4) * 2;
   unsigned char* staging = out_stage + consumer * staging_bytes;
-  float acc[FRAG], part_a[FRAG], part_b[FRAG];
+  float acc[FRAG], part[FRAG];
   int stage = 0;
   u32 phase = 0;
 
@@ -508,8 +505,8 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
     return __shfl_sync(0xffffffffu, (groups.row_end[g] - groups.row_start[g] + BLOCK_K - 1) / BLOCK_K, 0);
   };
   // Waits for the next stage (landed, scales in place, cut) and issues its four wgmma into
-  // `part`; returns the stage.
-  auto issue = [&](float* part) {
+  // `part`, the buffer of partial products; returns the stage.
+  auto issue = [&]() {
     mbar_wait(&full[stage], phase);
     mbar_wait(&ready[stage], phase);
     const unsigned char* a_rows = smem + stage * STAGE_BYTES + consumer * (64 * BLOCK_K);
@@ -541,7 +538,7 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
   };
   // The stage (data and scales) goes back once the chunk's wgmma are done and its scales read;
   // then acc (+)= part * (a scale of the row) * (d scale of the column) (first: =).
-  auto promote = [&](float* part, int part_stage, const ChunkScales& c, bool first) {
+  auto promote = [&](int part_stage, const ChunkScales& c, bool first) {
     fence_registers<FRAG>(part);
     __syncwarp();
     mbar_arrive_if(&empty[part_stage], lane == 0);
@@ -574,99 +571,57 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
     }
   };
 
-  if constexpr (TWO_BUFFERS) {
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      int g, p0, q0;
-      tile_of(t, g, p0, q0);
-      const int steps = group_steps(g);
+  // A tile's epilogue runs under the next tile's first wgmma: the output staged while it is
+  // in flight and stored after it, the next tile's place computed meanwhile too; the first
+  // chunk's promotion initializes acc.
+  int t = blockIdx.x, g = 0, p0 = 0, q0 = 0;
+  if (t < num_tiles) tile_of(t, g, p0, q0);
+  int steps = group_steps(g);
+  int done_g = -1, done_p0 = 0, done_q0 = 0;  // the tile whose output acc holds, unstored
+#pragma unroll
+  for (int i = 0; i < FRAG; ++i) acc[i] = 0.f;
+  for (; t < num_tiles; t += gridDim.x) {
+    int next_g, next_p0, next_q0;
+    const int next = min(t + (int)gridDim.x, num_tiles - 1);
+    if (steps > 0) {
+      const int issued = issue();
+      stage_output(staging, acc, out_kind, consumer, frag_row, frag_col);
+      tile_of(next, next_g, next_p0, next_q0);
+      wgmma_wait<0>();
+      if (done_g >= 0) store_tile(done_g, done_p0, done_q0);
+      promote(issued, load_scales(issued), Initialize);
+      for (int s = 1; s < steps; ++s) {
+        const int issued_s = issue();
+        wgmma_wait<0>();
+        promote(issued_s, load_scales(issued_s), Accumulate);
+      }
+    } else {  // an empty group: its tile is zeros
+      stage_output(staging, acc, out_kind, consumer, frag_row, frag_col);
+      tile_of(next, next_g, next_p0, next_q0);
+      if (done_g >= 0) store_tile(done_g, done_p0, done_q0);
 #pragma unroll
       for (int i = 0; i < FRAG; ++i) acc[i] = 0.f;
-      if (steps > 0) {
-        // Steady state, two chunks per turn so both buffers keep fixed registers: issue chunk
-        // s + 1, wait until only it is in flight, promote chunk s.
-        int stage_a = issue(part_a), stage_b;
-        int s = 0;
-        for (; s + 2 < steps; s += 2) {
-          stage_b = issue(part_b);
-          wgmma_wait<1>();
-          promote(part_a, stage_a, load_scales(stage_a), Accumulate);
-          stage_a = issue(part_a);
-          wgmma_wait<1>();
-          promote(part_b, stage_b, load_scales(stage_b), Accumulate);
-        }
-        if (s + 1 < steps) {
-          stage_b = issue(part_b);
-          wgmma_wait<1>();
-          promote(part_a, stage_a, load_scales(stage_a), Accumulate);
-          wgmma_wait<0>();
-          promote(part_b, stage_b, load_scales(stage_b), Accumulate);
-        } else {
-          wgmma_wait<0>();
-          promote(part_a, stage_a, load_scales(stage_a), Accumulate);
-        }
-      }
-      // Epilogue (empty groups store zeros).
-      stage_output(staging, acc, out_kind, consumer, frag_row, frag_col);
-      store_tile(g, p0, q0);
     }
-  } else {
-    // One buffer: each chunk's wgmma is waited for, then promoted (the other consumer's wgmma
-    // run meanwhile). A tile's epilogue runs under the next tile's first wgmma: the output
-    // staged while it is in flight and stored after it, the next tile's place computed
-    // meanwhile too; the first chunk's promotion initializes acc.
-    int t = blockIdx.x, g = 0, p0 = 0, q0 = 0;
-    if (t < num_tiles) tile_of(t, g, p0, q0);
-    int steps = group_steps(g);
-    int done_g = -1, done_p0 = 0, done_q0 = 0;  // the tile whose output acc holds, unstored
-#pragma unroll
-    for (int i = 0; i < FRAG; ++i) acc[i] = 0.f;
-    for (; t < num_tiles; t += gridDim.x) {
-      int next_g, next_p0, next_q0;
-      const int next = min(t + (int)gridDim.x, num_tiles - 1);
-      if (steps > 0) {
-        const int issued = issue(part_a);
-        stage_output(staging, acc, out_kind, consumer, frag_row, frag_col);
-        tile_of(next, next_g, next_p0, next_q0);
-        wgmma_wait<0>();
-        if (done_g >= 0) store_tile(done_g, done_p0, done_q0);
-        promote(part_a, issued, load_scales(issued), Initialize);
-        for (int s = 1; s < steps; ++s) {
-          const int issued_s = issue(part_a);
-          wgmma_wait<0>();
-          promote(part_a, issued_s, load_scales(issued_s), Accumulate);
-        }
-      } else {  // an empty group: its tile is zeros
-        stage_output(staging, acc, out_kind, consumer, frag_row, frag_col);
-        tile_of(next, next_g, next_p0, next_q0);
-        if (done_g >= 0) store_tile(done_g, done_p0, done_q0);
-#pragma unroll
-        for (int i = 0; i < FRAG; ++i) acc[i] = 0.f;
-      }
-      done_g = g, done_p0 = p0, done_q0 = q0;
-      g = next_g, p0 = next_p0, q0 = next_q0;
-      steps = group_steps(g);
-    }
-    if (done_g >= 0) {
-      stage_output(staging, acc, out_kind, consumer, frag_row, frag_col);
-      store_tile(done_g, done_p0, done_q0);
-    }
+    done_g = g, done_p0 = p0, done_q0 = q0;
+    g = next_g, p0 = next_p0, q0 = next_q0;
+    steps = group_steps(g);
+  }
+  if (done_g >= 0) {
+    stage_output(staging, acc, out_kind, consumer, frag_row, frag_col);
+    store_tile(done_g, done_p0, done_q0);
   }
   if (tid_wg == 0) bulk_wait();
 }
 
-#define FP8_WGRAD_KERNEL(NAME, TWO_BUFFERS)                                                                \
-  extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                          \
-      const __grid_constant__ TensorMap a_map,   /* a_t (P, M) e4m3: dims {M, P}, box {128, 128} */        \
-      const __grid_constant__ TensorMap d_map,   /* d_t (Q, M) e4m3: dims {M, Q}, box {128, 128} */        \
-      const __grid_constant__ TensorMap out_map, /* out (G, P, Q): dims {Q, P, G}, box {128 B, 64, 1} */   \
-      const float* __restrict__ a_scale, long long a_scale_stride_p, int a_scale_stride_s,                 \
-      const float* __restrict__ d_scale, long long d_scale_stride_q, int d_scale_stride_s,                 \
-      int out_kind, const int* __restrict__ offs, int M, int P, int Q, int G, int num_stages,              \
-      int scale_per_group) {                                                                               \
-    fp8_grouped_mm_wgrad_body<TWO_BUFFERS>(a_map, d_map, out_map, a_scale, a_scale_stride_p,               \
-                                           a_scale_stride_s, d_scale, d_scale_stride_q, d_scale_stride_s,  \
-                                           out_kind, offs, M, P, Q, G, num_stages, scale_per_group);       \
-  }
-
-FP8_WGRAD_KERNEL(fp8_grouped_mm_wgrad, true)
-FP8_WGRAD_KERNEL(fp8_grouped_mm_wgrad_1buf, false)
+extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_mm_wgrad(
+    const __grid_constant__ TensorMap a_map,    // a_t (P, M) e4m3: dims {M, P}, box {128, 128}
+    const __grid_constant__ TensorMap d_map,    // d_t (Q, M) e4m3: dims {M, Q}, box {128, 128}
+    const __grid_constant__ TensorMap out_map,  // out (G, P, Q): dims {Q, P, G}, box {128 B, 64, 1}
+    const float* __restrict__ a_scale, long long a_scale_stride_p, int a_scale_stride_s,
+    const float* __restrict__ d_scale, long long d_scale_stride_q, int d_scale_stride_s,
+    int out_kind, const int* __restrict__ offs, int M, int P, int Q, int G, int num_stages,
+    int scale_per_group) {
+  fp8_grouped_mm_wgrad_body(a_map, d_map, out_map, a_scale, a_scale_stride_p, a_scale_stride_s, d_scale,
+                            d_scale_stride_q, d_scale_stride_s, out_kind, offs, M, P, Q, G, num_stages,
+                            scale_per_group);
+}

@@ -39,14 +39,12 @@ class TileConfig:
     ctas_per_sm: int = 1  # persistent programs per SM: 2 lets one's epilogue overlap the other
     epilogue_tma: int = 0  # fused FC1: epilogue tiles (h, out) by TMA instead of pointers
     cluster: int = 1  # CUDA kernels: CTAs of a cluster that share an operand tile by TMA multicast
-    product_buffers: int = 2  # CUDA FP8 kernels: registers' buffers of partial products (1 or 2)
 
     def __str__(self) -> str:
         return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} BLOCK_K={self.block_k} "
                 f"GROUP_M={self.group_m} warps={self.num_warps} stages={self.num_stages} "
                 f"warp_specialize={self.warp_specialize} ctas_per_sm={self.ctas_per_sm} "
-                f"epilogue_tma={self.epilogue_tma} cluster={self.cluster} "
-                f"product_buffers={self.product_buffers}")
+                f"epilogue_tma={self.epilogue_tma} cluster={self.cluster}")
 
 
 def _log(kind: str, key: tuple, cfg: TileConfig) -> None:
@@ -60,7 +58,7 @@ _INTERPRETER_TILE = TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, nu
 
 
 def _env_override() -> TileConfig | None:
-    """COMPILED_MOE_TILE="BM,BN,BK,GROUP_M,warps,stages[,warp_specialize[,ctas_per_sm[,epilogue_tma[,cluster[,product_buffers]]]]]" forces
+    """COMPILED_MOE_TILE="BM,BN,BK,GROUP_M,warps,stages[,warp_specialize[,ctas_per_sm[,epilogue_tma[,cluster]]]]" forces
     one tile (benchmark sweeps)."""
     spec = os.environ.get("COMPILED_MOE_TILE")
     if not spec:
@@ -356,12 +354,9 @@ def fp8_wgrad_sm90_config(rows_per_group: int) -> TileConfig:
     the speed of 3 (geometric mean 1.02x) and 5 ran 0.88-0.98x (0.93x) on the 16 bench_fp8
     shapes (H200, same run). The deeper ring leaves less L1 for the per-chunk scale loads.
 
-    One buffer of partial products at every group size: since the one-buffer kernel runs each
-    tile's epilogue under the next tile's first wgmma, it ran 1.02-1.08x the two-buffer kernel
-    on all 16 bench_fp8 shapes (DeepSeek-V3 and Mixtral, 8 chunks a tile, included; before,
-    0.95-1.03x there). H200, same run; csrc/fp8_grouped_mm.cu says why."""
+    (One buffer of partial products a consumer thread, fixed in the kernel: csrc/fp8_grouped_mm.cu
+    says why.)"""
     def heuristic():
-        return TileConfig(block_m=128, block_n=128, block_k=128, num_warps=12, num_stages=4,
-                          product_buffers=1)
+        return TileConfig(block_m=128, block_n=128, block_k=128, num_warps=12, num_stages=4)
 
     return _choose("fp8_wgrad_sm90", (rows_per_group,), "cuda", heuristic)

@@ -125,16 +125,12 @@ def wgrad_stages(requested: int, num_groups: int, out_dtype: torch.dtype) -> int
     return fit_stages(requested, lambda n: _wgrad_shared_bytes(num_groups, n, out_dtype))
 
 
-_WGRAD_KERNELS = {1: "fp8_grouped_mm_wgrad_1buf", 2: "fp8_grouped_mm_wgrad"}
-
-
 def scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe: str, out,
-                            num_stages=None, product_buffers=None) -> None:
+                            num_stages=None) -> None:
     """out[g] (P, Q) = a_g^T @ d_g from columnwise e4m3 data a_t (P, M), d_t (Q, M) with their
     columnwise scales (P, S), (Q, S): 1x128 blocks (fp8_blockwise) or one per group
     (fp8_rowwise). The caller checked ``wgrad_supported``, ``aligned`` and P, Q, G > 0; out
-    (G, P, Q) is contiguous. product_buffers (1 or 2; default: the config's): buffers of
-    partial products per consumer thread."""
+    (G, P, Q) is contiguous."""
     P, M = a_t.shape
     Q = d_t.shape[0]
     G = out.shape[0]
@@ -150,7 +146,7 @@ def scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe: str, out,
     num_stages = wgrad_stages(num_stages or cfg.num_stages, G, out.dtype)
     num_tiles = G * -(-P // 128) * -(-Q // 128)
     native.launch_driver(
-        native.kernel("fp8_grouped_mm", _WGRAD_KERNELS[product_buffers or cfg.product_buffers], dev),
+        native.kernel("fp8_grouped_mm", "fp8_grouped_mm_wgrad", dev),
         min(_num_sms(dev), num_tiles), _THREADS, _wgrad_shared_bytes(G, num_stages, out.dtype),
         a_map, d_map, out_map,
         a_scale, i64(a_scale.stride(0)), i32(a_scale.stride(1)),
