@@ -36,7 +36,9 @@ def quantize_weight(w: Tensor, recipe: str = "fp8_blockwise") -> tuple[Tensor, .
 def _check_weight_fp8(weight_fp8, b: Tensor, recipe: str) -> None:
     from compiled_moe.ops.fp8 import _quantize_outputs
 
-    want = _quantize_outputs(b.mT, None, recipe, True, True)
+    # The shapes quantize_weight gives, from a meta tensor: no allocation of the weight's size.
+    want = _quantize_outputs(torch.empty(b.mT.shape, dtype=b.dtype, device="meta"), None, recipe,
+                             True, True)
     if not isinstance(weight_fp8, (tuple, list)) or len(weight_fp8) != 4:
         raise TypeError("weight_fp8 must be the 4 tensors of quantize_weight(w, recipe), "
                         f"got {type(weight_fp8).__name__}")

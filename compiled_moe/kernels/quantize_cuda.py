@@ -16,6 +16,7 @@ import torch
 
 from compiled_moe import native, reference
 from compiled_moe.kernels.configs import quantize_columns_cuda_config
+from compiled_moe.kernels.grouped_mm import _num_sms
 
 RECIPES = ("fp8_blockwise",)  # mxfp8: see csrc/grouped_quantize.cu
 _THREADS = 256
@@ -87,8 +88,7 @@ def quantize_group_columns(x, offs, col_q, col_s, row_q, row_s, recipe: str,
     shared = shared_bytes(x.dtype, recipe, S)
     rowwise = row_q is not None
     cfg = quantize_columns_cuda_config(shared, rowwise)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    grid = max(1, min(cfg.ctas_per_sm * sms, S * num_tiles))
+    grid = max(1, min(cfg.ctas_per_sm * _num_sms(dev), S * num_tiles))
     rq, rs = (row_q, row_s) if rowwise else (col_q, col_s)  # unused pointers when not rowwise
     name = f"quantize_{'rows_columns' if rowwise else 'columns'}_{recipe}_{_SUFFIX[x.dtype]}"
     i32, i64 = native.int32, native.int64
