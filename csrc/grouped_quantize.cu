@@ -8,34 +8,31 @@
 //   are group G), unused slots hold the scale of a zero block (1);
 //   with ROWWISE also row_q (M, K) e4m3 and row_s (M, ceil(K / 128)) fp32, 1 x 128 blocks.
 //
-// Persistent blocks of 256 threads walk (slot, column tile) items. A tile is 128 x 128 elements
-// (32 KB of bf16): thread t holds 8 consecutive rows x 8 consecutive columns (chunk c = t % 16,
-// row group rg = t / 16), copied by itself into shared memory with 16-byte cp.async one item
-// ahead, so a warp reads whole 256-byte row segments and the next item's loads run under this
-// item's work. Row blocks are reduced by shuffles across the 16 lanes of a row; column blocks by
-// a per-thread max over its 8 rows, then across row groups in shared memory. Each column's 8
-// quantized bytes (rows of one row group) go to a transposing buffer in shared memory and leave
-// as 16-byte stores along M.
+// Persistent CTAs, one per SM, walk (slot, 128-column tile) items: a producer warp copies each
+// item's 128 x 128 tile of x into a ring of shared-memory stages (16-byte cp.async, completing
+// on the stage's mbarrier), and teams of 8 consumer warps take alternate items. A consumer warp
+// quantizes 16 rows and 16 columns of the tile straight from shared memory: row blocks are
+// reduced by shuffles across the 8 lanes of a row, column blocks by a per-lane max over 16
+// rows and shuffles across the 8 row groups, and each lane stores 16 bytes along M per column.
+// No block-wide barrier in the loop (sm_90: mbarrier try_wait).
 //
 // The slots' first rows come from offs on the device (clamped to [0, M], made monotonic): a
-// table in shared memory, made once per block by two block-wide scans. No host sync.
+// table in shared memory, made once per CTA by two block-wide scans. No host sync.
 //
 // Arithmetic as kernels/quantize.py, so the output equals the reference's bits: amax with NaN
 // kept (then counted as Inf), scale = amax / 448 rounded once (1 for a zero block), the
-// quotient x / scale rounded once (by Markstein's fma steps for 2^-90 <= scale < Inf, a division
-// otherwise), the hardware fp32 -> e4m3 conversion with saturation (NaN -> 0x7F).
+// quotient x / scale rounded once (by Markstein's fma steps when every scale of a warp's rows,
+// or columns, is in [2^-90, Inf); else by division, out of line), the hardware fp32 -> e4m3
+// conversion with saturation (NaN -> 0x7F).
 //
-// The same structure for mxfp8 (32 x 512 tiles, E8M0 scales) measured 0.37-0.53 of copy
-// bandwidth on the H200 against 0.37-0.43 for the Triton kernel it would replace, so mxfp8
-// stays on Triton (benchmarks/RESULTS.md); the tile shape is kept as parameters (ROWS).
+// An earlier kernel of the same structure for mxfp8 (32 x 512 tiles, E8M0 scales) measured
+// 0.37-0.53 of copy bandwidth on the H200 against 0.37-0.43 for the Triton kernel it would
+// replace, so mxfp8 stays on Triton (benchmarks/RESULTS.md).
 
 #include "block.cuh"
+#include "sm90.cuh"
 
-#define THREADS 256
-#define MIN_BLOCKS 2  // blocks per SM the registers must allow
-
-typedef unsigned int u32;
-typedef unsigned long long u64;
+#define TEAM_WARPS 8  // each quantizes 16 rows and 16 columns of a 128 x 128 tile
 
 enum { DT_BF16 = 0, DT_F16 = 1, DT_F32 = 2 };
 
@@ -134,10 +131,12 @@ __device__ __forceinline__ u32 pack_e4m3(float a, float b, float c, float d) {
   return (u32)lo | ((u32)hi << 16);
 }
 
-// Eight input values of a row, held as loaded: 4 words of 16-bit values or 8 of fp32.
-template <int DT>
-struct Row8 {
-  static constexpr int WORDS = DT == DT_F32 ? 8 : 4;
+// N input values (consecutive columns of a row), held as loaded: words of two 16-bit values or
+// of one fp32 value.
+template <int DT, int N>
+struct Values {
+  static constexpr int PER_WORD = DT == DT_F32 ? 1 : 2;
+  static constexpr int WORDS = N / PER_WORD;
   u32 w[WORDS];
   __device__ __forceinline__ float operator[](int j) const {
     if (DT == DT_F32) return __int_as_float(w[j]);
@@ -148,9 +147,11 @@ struct Row8 {
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
   }
-  // max(|a|, |b|) of each 16-bit half, NaN kept (the sign of the result is not |.|'s: callers
-  // take fabsf of each half). One instruction for two values.
-  __device__ __forceinline__ static u32 abs_max2(u32 a, u32 b) {
+  // The larger magnitude of the values in each word's place, NaN kept. 16-bit values: one
+  // instruction for two (the sign of the result is not |.|'s: word_amax takes fabsf).
+  __device__ __forceinline__ static u32 abs_max_word(u32 a, u32 b) {
+    if (DT == DT_F32)
+      return __float_as_int(max_keep_nan(fabsf(__int_as_float(a)), fabsf(__int_as_float(b))));
     u32 d;
     if (DT == DT_BF16)
       asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
@@ -158,55 +159,39 @@ struct Row8 {
       asm("max.NaN.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
     return d;
   }
-  __device__ __forceinline__ static float half_amax(u32 word) {  // max(|lo|, |hi|), NaN kept
-    Row8 r;
-    r.w[0] = word;
-    return max_keep_nan(fabsf(r[0]), fabsf(r[1]));
+  // |value| j of a word made by abs_max_word (j < PER_WORD).
+  __device__ __forceinline__ static float word_amax(u32 word, int j) {
+    Values v;
+    v.w[0] = word;
+    return fabsf(v[j]);
   }
-  // max |x| of the 8 values (NaN kept). 16-bit values pairwise: the amax of bf16 or fp16
-  // values is one of them, so the packed max gives the fp32 one exactly.
+  // max |x| of the N values (NaN kept). 16-bit values pairwise: the amax of bf16 or fp16 values
+  // is one of them, so the packed max gives the fp32 one exactly.
   __device__ __forceinline__ float amax() const {
-    if (DT == DT_F32) {
-      float m = fabsf((*this)[0]);
+    u32 m = w[0];
 #pragma unroll
-      for (int j = 1; j < 8; ++j) m = max_keep_nan(m, fabsf((*this)[j]));
-      return m;
-    }
-    return half_amax(abs_max2(abs_max2(w[0], w[1]), abs_max2(w[2], w[3])));
+    for (int k = 1; k < WORDS; ++k) m = abs_max_word(m, w[k]);
+    return PER_WORD == 1 ? word_amax(m, 0) : max_keep_nan(word_amax(m, 0), word_amax(m, 1));
   }
-  // part[j] = max over the 8 rows of |v[i][j]| (NaN kept).
-  __device__ __forceinline__ static void column_amax(const Row8* v, float* part) {
-#pragma unroll
-    for (int k = 0; k < WORDS; ++k) {
-      if (DT == DT_F32) {
-        float m = fabsf(__int_as_float(v[0].w[k]));
-#pragma unroll
-        for (int i = 1; i < 8; ++i) m = max_keep_nan(m, fabsf(__int_as_float(v[i].w[k])));
-        part[k] = m;
-      } else {
-        u32 m = abs_max2(v[0].w[k], v[1].w[k]);
-#pragma unroll
-        for (int i = 2; i < 8; ++i) m = abs_max2(m, v[i].w[k]);
-        Row8 r;
-        r.w[0] = m;
-        part[2 * k] = fabsf(r[0]);
-        part[2 * k + 1] = fabsf(r[1]);
-      }
-    }
-  }
-  // From shared memory; rows or columns outside the tile's block read as 0.
+  // From shared memory (16-byte pieces, or one 8-byte piece); zeros where !ok.
   __device__ __forceinline__ void load_shared(const unsigned char* p, bool ok) {
-    const uint4* v = reinterpret_cast<const uint4*>(p);
+    if constexpr (WORDS == 2) {
+      const uint2 u = ok ? *reinterpret_cast<const uint2*>(p) : make_uint2(0, 0);
+      w[0] = u.x;
+      w[1] = u.y;
+    } else {
 #pragma unroll
-    for (int i = 0; i < WORDS / 4; ++i) {
-      uint4 u = ok ? v[i] : make_uint4(0, 0, 0, 0);
-      w[4 * i] = u.x; w[4 * i + 1] = u.y; w[4 * i + 2] = u.z; w[4 * i + 3] = u.w;
+      for (int i = 0; i < WORDS / 4; ++i) {
+        const uint4 u = ok ? reinterpret_cast<const uint4*>(p)[i] : make_uint4(0, 0, 0, 0);
+        w[4 * i] = u.x; w[4 * i + 1] = u.y; w[4 * i + 2] = u.z; w[4 * i + 3] = u.w;
+      }
     }
   }
 };
 
+// Eight values of a row quantized by their block's scale: 8 e4m3 bytes.
 template <bool EXACT, typename Scale, typename Row>
-__device__ __forceinline__ uint2 quantize_row(const Scale& q, const Row& v) {
+__device__ __forceinline__ uint2 quantize8(const Scale& q, const Row& v) {
   uint2 bytes;
   bytes.x = pack_e4m3(q.template apply<EXACT>(v[0]), q.template apply<EXACT>(v[1]),
                       q.template apply<EXACT>(v[2]), q.template apply<EXACT>(v[3]));
@@ -215,263 +200,362 @@ __device__ __forceinline__ uint2 quantize_row(const Scale& q, const Row& v) {
   return bytes;
 }
 
-// max |x| (NaN kept) of a row block: 8 values in each of LANES neighbouring lanes.
-template <int LANES, typename Row>
-__device__ __forceinline__ float row_amax(const Row& v) {
-  float amax = v.amax();
+// Column j of 16 rows (v[i][j]) quantized by its block's scale: 16 e4m3 bytes, row 0 first.
+template <bool EXACT, typename Scale, typename Quad>
+__device__ __forceinline__ uint4 quantize_column16(const Scale& q, const Quad* v, int j) {
+  u32 b[4];
 #pragma unroll
-  for (int d = 1; d < LANES; d <<= 1)
-    amax = max_keep_nan(amax, __shfl_xor_sync(FULL_MASK, amax, d));
-  return amax;
-}
-
-// A thread's 8 values of row r, quantized, into row_q (rows past the slot's end skipped).
-template <typename Scale, typename Row>
-__device__ __forceinline__ void store_row(const Scale& q, const Row& v, unsigned char* row_q,
-                                          long long ldrq, int r, int row_end, int col, bool col_ok) {
-  if (!col_ok || r >= row_end) return;
-  const uint2 bytes = q.regular ? quantize_row<false>(q, v) : quantize_row<true>(q, v);
-  *reinterpret_cast<uint2*>(row_q + (long long)r * ldrq + col) = bytes;
-}
-
-// The column blocks' bytes of a thread's 8 x 8 values into the transposing buffer. Column j's
-// 8 bytes (rows of row group rg) form 8-byte unit u = column * GROUPS + rg, placed in 128-byte
-// line u / 16 at position (u % 16) ^ (c % 16): the 32 lanes of a warp (16 chunks c, two row
-// groups) then write distinct banks but for pairs, the fewest for 256 bytes.
-template <bool EXACT, int GROUPS, typename Scale, typename Row>
-__device__ __forceinline__ void transpose_columns(unsigned char* transposed, const Row* v,
-                                                  const float* s, const float* y, int c, int rg) {
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const Scale q = Scale::from_parts(s[j], y[j]);
-    uint2 bytes;
-    bytes.x = pack_e4m3(q.template apply<EXACT>(v[0][j]), q.template apply<EXACT>(v[1][j]),
-                        q.template apply<EXACT>(v[2][j]), q.template apply<EXACT>(v[3][j]));
-    bytes.y = pack_e4m3(q.template apply<EXACT>(v[4][j]), q.template apply<EXACT>(v[5][j]),
-                        q.template apply<EXACT>(v[6][j]), q.template apply<EXACT>(v[7][j]));
-    const int u = (8 * c + j) * GROUPS + rg;
-    reinterpret_cast<uint2*>(transposed)[(u & ~15) | ((u & 15) ^ (c & 15))] = bytes;
-  }
+  for (int k = 0; k < 4; ++k)
+    b[k] = pack_e4m3(q.template apply<EXACT>(v[4 * k][j]), q.template apply<EXACT>(v[4 * k + 1][j]),
+                     q.template apply<EXACT>(v[4 * k + 2][j]), q.template apply<EXACT>(v[4 * k + 3][j]));
+  return make_uint4(b[0], b[1], b[2], b[3]);
 }
 
 // --------------------------------------------------------------------------- the kernel
 
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-               ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+// Waits with a suspend-time hint (1 ms at most): a waiting warp sleeps until the phase completes
+// instead of spinning on try_wait (spinning waits were 10% of the kernel's issued instructions).
+__device__ __forceinline__ void mbar_wait_sleep(u64* bar, u32 parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1, %2;\n"
+      " @!p bra WAIT;\n}\n" ::"r"(smem_addr(bar)), "r"(parity), "r"(1000000)
+      : "memory");
 }
 
-// Shared memory of a block, in bytes (the launcher sizes the dynamic allocation with it).
-template <int DT, int ROWS>
-struct Layout {
-  static constexpr int CHUNKS = 16 * 128 / ROWS;  // 8-column chunks across a tile
-  static constexpr int COLS = 8 * CHUNKS;
-  static constexpr int GROUPS = ROWS / 8;         // row groups of 8 rows
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
+// A stage of the ring: a 128 x 128 tile of x, rows of 128 * ESIZE bytes, with BLOCK_PAD bytes
+// after every 16 rows. The column pass reads rows 16g + i of 8 row groups g at once; the pad
+// puts the row groups of a load phase in different banks (without it every 16th row starts at
+// the same bank).
+template <int DT>
+struct Stage {
   static constexpr int ESIZE = DT == DT_F32 ? 4 : 2;
-  static constexpr int TILE = ROWS * COLS * ESIZE;          // one stage of x
-  static constexpr int TRANSPOSED = 2 * TILE;               // COLS x ROWS e4m3
-  static constexpr int PARTIAL = TRANSPOSED + COLS * ROWS;  // GROUPS x COLS fp32
-  static constexpr int PARTS = PARTIAL + GROUPS * COLS * 4; // 2 x COLS fp32
-  static constexpr int SCRATCH = PARTS + 2 * COLS * 4;      // 32 ints
-  static constexpr int SLOTS = SCRATCH + 32 * 4;            // (slots + 1) ints
+  static constexpr int ROW_BYTES = 128 * ESIZE;
+  static constexpr int BLOCK_PAD = 16 * ESIZE;
+  static constexpr int GROUP_BYTES = 16 * ROW_BYTES + BLOCK_PAD;
+  static constexpr int BYTES = 8 * GROUP_BYTES;
+  __device__ __forceinline__ static int row_offset(int r) {
+    return (r >> 4) * GROUP_BYTES + (r & 15) * ROW_BYTES;
+  }
 };
 
-// Persistent: block b takes items b, b + B, b + 2B, ... of the used slots x column tiles
-// items, ordered in bands of slot_group slots: within a band, slot fastest, then column tile.
-// The blocks running together then cover a few neighbouring slots across many column tiles:
-// they read long runs of each row of x, and the 16-byte pieces they store along M fill the same
-// sectors (the column scales of neighbouring slots the same lines) while those are in L2. Each
-// thread copies its own next 8 x 8 sub-tile into the other stage (cp.async) before it
-// works on the current one, and reads back only what it copied: no block barrier guards the
-// stages, and the next item's loads run under this item's arithmetic and stores.
-template <int DT, int ROWS, int ROW_BLOCK, typename Scale, bool ROWWISE>
+// What a consumer warp needs of an item: where its tile sits in x and the outputs.
+struct Item {
+  int slot, tile, row0, rows, col0, cols;  // rows <= 128 of the slot, cols <= 128 inside K
+};
+
+// Warp `wi` quantizes 16 rows and 16 columns of an item's tile, in two parts that share nothing
+// but the stage.
+//
+// Rows 16 wi + 4 t + q (t = 0..3, q = lane / 8): the 8 lanes p = lane % 8 of a row hold its
+// columns 8p..8p+7 and 64+8p..64+8p+7, so 8 lanes read 128 contiguous bytes of shared memory
+// and store 64 contiguous bytes of each row. Lane p < 4 derives row t = p's scale.
+//
+// Columns 16 wi + 4 cq + j (j = 0..3, cq = lane % 4): lane (g = lane / 4, cq) holds rows
+// 16g..16g+15 of its 4 columns; a column's amax is reduced over the 8 row groups by shuffles,
+// lane (g < 4, cq) derives column j = g's scale, and each lane stores 16 bytes along M per
+// column (a warp's store: 4 columns' 128 contiguous bytes).
+//
+// Values outside the item (rows past the slot, columns past K) hold stale data in the stage:
+// they load as zeros and are not stored.
+__device__ __forceinline__ int row_of(int wi, int lane, int t) { return 16 * wi + 4 * t + (lane >> 3); }
+__device__ __forceinline__ int row_col(int lane, int h) { return 8 * (lane & 7) + 64 * h; }
+__device__ __forceinline__ int col_of(int wi, int lane) { return 16 * wi + 4 * (lane & 3); }
+
+// Loads the warp's rows; returns the amax of row t = lane % 8 (lanes 0..3 of each 8).
+template <int DT>
+__device__ __forceinline__ float load_rows(Values<DT, 8> (&v)[4][2], const unsigned char* stage,
+                                           const Item& it, int wi, int lane) {
+  using S = Stage<DT>;
+  float a = 0.0f;
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const int r = row_of(wi, lane, t);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = row_col(lane, h);
+      v[t][h].load_shared(stage + S::row_offset(r) + c * S::ESIZE, r < it.rows && c < it.cols);
+    }
+    float amax = max_keep_nan(v[t][0].amax(), v[t][1].amax());
+#pragma unroll
+    for (int d = 1; d < 8; d <<= 1) amax = max_keep_nan(amax, __shfl_xor_sync(FULL_MASK, amax, d));
+    a = (lane & 7) == t ? amax : a;
+  }
+  return a;
+}
+
+// Loads the warp's columns; returns the amax of column j = lane / 4 (lanes 0..15).
+template <int DT>
+__device__ __forceinline__ float load_columns(Values<DT, 4> (&v)[16], const unsigned char* stage,
+                                              const Item& it, int wi, int lane) {
+  using S = Stage<DT>;
+  using Quad = Values<DT, 4>;
+  const int g = lane >> 2;
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+    v[i].load_shared(stage + S::row_offset(16 * g + i) + col_of(wi, lane) * S::ESIZE,
+                     16 * g + i < it.rows);
+  float a = 0.0f;
+#pragma unroll
+  for (int k = 0; k < Quad::WORDS; ++k) {
+    u32 m = v[0].w[k];
+#pragma unroll
+    for (int i = 1; i < 16; ++i) m = Quad::abs_max_word(m, v[i].w[k]);
+#pragma unroll
+    for (int d = 4; d < 32; d <<= 1) m = Quad::abs_max_word(m, __shfl_xor_sync(FULL_MASK, m, d));
+#pragma unroll
+    for (int e = 0; e < Quad::PER_WORD; ++e) {
+      const int j = k * Quad::PER_WORD + e;
+      a = g == j ? Quad::word_amax(m, e) : a;
+    }
+  }
+  return a;
+}
+
+// Scale of row t (from lane 8q + t) and of column j (from lane 4j + cq).
+template <typename Scale>
+__device__ __forceinline__ Scale row_scale(float2 parts, int lane, int t) {
+  const int src = (lane & ~7) + t;
+  return Scale::from_parts(__shfl_sync(FULL_MASK, parts.x, src), __shfl_sync(FULL_MASK, parts.y, src));
+}
+template <typename Scale>
+__device__ __forceinline__ Scale column_scale(float2 parts, int lane, int j) {
+  const int src = 4 * j + (lane & 3);
+  return Scale::from_parts(__shfl_sync(FULL_MASK, parts.x, src), __shfl_sync(FULL_MASK, parts.y, src));
+}
+
+// The common case, every scale of the warp's item regular: Markstein's steps, no branch per
+// block, the whole item one straight run of code.
+template <int DT, typename Scale>
+__device__ __forceinline__ void store_rows(const Values<DT, 8> (&v)[4][2], float2 parts, const Item& it,
+                                           int wi, int lane, unsigned char* __restrict__ row_q,
+                                           long long ldrq) {
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const Scale sc = row_scale<Scale>(parts, lane, t);
+    const int r = row_of(wi, lane, t);
+    unsigned char* dst = row_q + (long long)(it.row0 + r) * ldrq + it.col0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = row_col(lane, h);
+      if (r < it.rows && c < it.cols)
+        *reinterpret_cast<uint2*>(dst + c) = quantize8<false>(sc, v[t][h]);
+    }
+  }
+}
+
+template <int DT, typename Scale>
+__device__ __forceinline__ void store_columns(const Values<DT, 4> (&v)[16], float2 parts,
+                                              const Item& it, int wi, int lane,
+                                              unsigned char* __restrict__ col_q, long long ldcq) {
+  const int g = lane >> 2, rows = min(16, it.rows - 16 * g);
+  const bool whole = rows == 16 && (it.row0 & 15) == 0;  // (col_q's row stride: a multiple of 16)
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const Scale sc = column_scale<Scale>(parts, lane, j);
+    const int c = col_of(wi, lane) + j;
+    const uint4 b = quantize_column16<false>(sc, v, j);
+    unsigned char* dst = col_q + (long long)(it.col0 + c) * ldcq + it.row0 + 16 * g;
+    if (c >= it.cols || rows <= 0) continue;
+    if (whole) {
+      *reinterpret_cast<uint4*>(dst) = b;
+    } else {  // a slot's last rows, or a group starting off a 16-byte boundary
+      const u32 words[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll 1
+      for (int i = 0; i < rows; ++i) dst[i] = (unsigned char)(words[i >> 2] >> (8 * (i & 3)));
+    }
+  }
+}
+
+template <int DT>
+__device__ __forceinline__ float load_one(const unsigned char* stage, int r, int c) {
+  Values<DT, 1 + (DT != DT_F32)> v;  // (a 16-bit value read alone, as the low half of a word)
+  const unsigned char* p = stage + Stage<DT>::row_offset(r) + c * Stage<DT>::ESIZE;
+  v.w[0] = DT == DT_F32 ? *reinterpret_cast<const u32*>(p) : *reinterpret_cast<const unsigned short*>(p);
+  return v[0];
+}
+
+// The rare case, some block of the warp's rows (or columns) tiny or holding Inf or NaN: every
+// value divided exactly, one at a time from the stage. Kept out of line so that the common path
+// stays small: inlined per block, the exact paths made the kernel miss the instruction cache
+// most of the time.
+template <int DT, typename Scale>
+__device__ __noinline__ void store_rows_exact(const unsigned char* stage, float2 parts,
+                                              Item it, int wi, int lane,
+                                              unsigned char* __restrict__ row_q, long long ldrq) {
+#pragma unroll 1
+  for (int t = 0; t < 4; ++t) {
+    const Scale sc = row_scale<Scale>(parts, lane, t);
+    const int r = row_of(wi, lane, t);
+#pragma unroll 1
+    for (int e = 0; e < 16; ++e) {
+      const int c = row_col(lane, e >> 3) + (e & 7);
+      if (r < it.rows && c < it.cols)
+        row_q[(long long)(it.row0 + r) * ldrq + it.col0 + c] =
+            (unsigned char)pack_e4m3(sc.template apply<true>(load_one<DT>(stage, r, c)), 0.f, 0.f, 0.f);
+    }
+  }
+}
+
+template <int DT, typename Scale>
+__device__ __noinline__ void store_columns_exact(const unsigned char* stage, float2 parts,
+                                                 Item it, int wi, int lane,
+                                                 unsigned char* __restrict__ col_q, long long ldcq) {
+#pragma unroll 1
+  for (int j = 0; j < 4; ++j) {
+    const Scale sc = column_scale<Scale>(parts, lane, j);
+    const int c = col_of(wi, lane) + j;
+#pragma unroll 1
+    for (int i = 0; i < 16; ++i) {
+      const int r = 16 * (lane >> 2) + i;
+      if (r < it.rows && c < it.cols)
+        col_q[(long long)(it.col0 + c) * ldcq + it.row0 + r] =
+            (unsigned char)pack_e4m3(sc.template apply<true>(load_one<DT>(stage, r, c)), 0.f, 0.f, 0.f);
+    }
+  }
+}
+
+// One item's share of a consumer warp: its rows, then its columns; each part loads, derives its
+// scales (stored by the deriving lanes) and stores its data.
+template <int DT, typename Scale, bool ROWWISE>
+__device__ __forceinline__ void quantize_item(
+    const unsigned char* stage, const Item& it, int wi, int lane, unsigned char* __restrict__ col_q,
+    long long ldcq, void* __restrict__ col_s, long long lds, unsigned char* __restrict__ row_q,
+    long long ldrq, void* __restrict__ row_s, long long ldrs) {
+  if (ROWWISE) {
+    Values<DT, 8> v[4][2];
+    const Scale sc = Scale::from_amax(nan_as_inf(load_rows<DT>(v, stage, it, wi, lane)));
+    const int r = row_of(wi, lane, lane & 7);  // the row of this lane's scale (lanes p < 4)
+    if ((lane & 7) < 4 && r < it.rows) sc.store(row_s, (long long)(it.row0 + r) * ldrs + it.tile);
+    if (__all_sync(FULL_MASK, sc.regular))
+      store_rows<DT, Scale>(v, sc.parts(), it, wi, lane, row_q, ldrq);
+    else
+      store_rows_exact<DT, Scale>(stage, sc.parts(), it, wi, lane, row_q, ldrq);
+  }
+  Values<DT, 4> v[16];
+  const Scale sc = Scale::from_amax(nan_as_inf(load_columns<DT>(v, stage, it, wi, lane)));
+  const int c = col_of(wi, lane) + (lane >> 2);  // the column of this lane's scale (lanes < 16)
+  if (lane < 16 && c < it.cols) sc.store(col_s, (long long)(it.col0 + c) * lds + it.slot);
+  if (__all_sync(FULL_MASK, sc.regular))
+    store_columns<DT, Scale>(v, sc.parts(), it, wi, lane, col_q, ldcq);
+  else
+    store_columns_exact<DT, Scale>(stage, sc.parts(), it, wi, lane, col_q, ldcq);
+}
+
+// Persistent CTAs of 8 * TEAMS consumer warps and a producer warp walk (slot, column tile)
+// items: CTA b takes items b, b + B, b + 2B, ... of the used slots x column tiles, ordered in
+// bands of slot_group slots (within a band, slot fastest, then column tile), so the CTAs running
+// together read long runs of each row of x and their 16-byte stores along M fill the same
+// sectors while those are in L2. The producer decodes each item into its stage and copies the
+// item's rows there (16-byte cp.async, each lane's copies arriving on the stage's mbarrier);
+// team k % TEAMS quantizes the CTA's k-th item and releases its stage. No block-wide barrier
+// in the loop: warps drift apart by up to the ring's depth.
+template <int DT, typename Scale, bool ROWWISE, int TEAMS>
 __device__ void quantize_group_columns(
     const void* __restrict__ x_, long long ldx, const int* __restrict__ offs, int M, int K, int G,
-    int S, int slot_group, unsigned char* __restrict__ col_q, long long ldcq,
+    int S, int slot_group, int stages, unsigned char* __restrict__ col_q, long long ldcq,
     void* __restrict__ col_s, long long lds, unsigned char* __restrict__ row_q, long long ldrq,
     void* __restrict__ row_s, long long ldrs) {
-  using L = Layout<DT, ROWS>;
-  constexpr int CHUNKS = L::CHUNKS, COLS = L::COLS, GROUPS = L::GROUPS, ESIZE = L::ESIZE;
-  constexpr int ROW_LANES = ROW_BLOCK / 8;  // lanes sharing a row block
-  static_assert(ROW_LANES >= 8, "a row block spans at least 8 lanes (their scales are shared)");
-  constexpr int PIECES = COLS * ROWS / 16 / THREADS;  // 16-byte pieces of the transposed tile
-  constexpr int COPIES = 8 * ESIZE / 16;    // 16-byte copies per row of a sub-tile
-  static_assert(GROUPS * CHUNKS == THREADS, "one thread per 8 x 8 sub-tile");
+  using St = Stage<DT>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  u64* full = reinterpret_cast<u64*>(smem + stages * St::BYTES);
+  u64* empty = full + stages;
+  Item* stage_item = reinterpret_cast<Item*>(empty + stages);  // each stage's item
+  int* scratch = reinterpret_cast<int*>(stage_item + stages);
+  int* slot_row = scratch + 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(&full[s], 33);  // each producer lane's copies, and the item written
+      mbar_init(&empty[s], TEAM_WARPS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  const int used = fill_slot_rows<128>(offs, M, G, scratch, slot_row);  // (ends in a barrier)
 
-  extern __shared__ __align__(16) unsigned char smem[];
-  unsigned char* transposed = smem + L::TRANSPOSED;
-  float(*partial)[COLS] = reinterpret_cast<float(*)[COLS]>(smem + L::PARTIAL);
-  float(*scale_parts)[COLS] = reinterpret_cast<float(*)[COLS]>(smem + L::PARTS);
-  int* slot_row = reinterpret_cast<int*>(smem + L::SLOTS);
-  const int used = fill_slot_rows<ROWS>(offs, M, G, reinterpret_cast<int*>(smem + L::SCRATCH),
-                                        slot_row);
-
-  const int num_tiles = (K + COLS - 1) / COLS;
-  // Items cover the used slots only: the unused ones (past `used`) just get a zero block's scale
-  // in every column, shared out evenly below, so that no block's items are mostly empty.
+  const int num_tiles = (K + 127) / 128;
   const long long items = (long long)used * num_tiles;
-  {
+  {  // unused slots (past `used`) get a zero block's scale in every column
     const Scale zero = Scale::from_amax(0.0f);
     const long long unused = (long long)(S - used) * K;
-    for (long long e = (long long)blockIdx.x * THREADS + threadIdx.x; e < unused;
-         e += (long long)gridDim.x * THREADS)
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < unused;
+         e += (long long)gridDim.x * blockDim.x)
       zero.store(col_s, (e % K) * lds + used + e / K);
   }
-  // item w -> (slot, column tile): bands of slot_group slots (the last band may be narrower)
-  auto item_slot_tile = [&](long long w, int* slot, int* tile) {
+  auto item = [&](long long w) {
+    Item it;
     const long long band = w / ((long long)slot_group * num_tiles);
     const int first = (int)band * slot_group, width = min(slot_group, used - first);
     const int within = (int)(w - band * slot_group * num_tiles);
-    *slot = first + within % width;
-    *tile = within / width;
+    it.slot = first + within % width;
+    it.tile = within / width;
+    it.row0 = slot_row[it.slot];
+    it.rows = slot_row[it.slot + 1] - it.row0;
+    it.col0 = 128 * it.tile;
+    it.cols = min(128, K - it.col0);
+    return it;
   };
-  const int t = threadIdx.x, c = t % CHUNKS, rg = t / CHUNKS;
-  const char* x = static_cast<const char*>(x_);
-  // This thread's sub-tile in stage `buf`: row rg * 8 + i, columns 8c .. 8c + 7.
-  auto sub_tile = [&](int buf, int i) {
-    return smem + buf * L::TILE + (rg * 8 + i) * (COLS * ESIZE) + c * 8 * ESIZE;
-  };
-  auto prefetch = [&](long long w, int buf) {
-    int slot, tile;
-    item_slot_tile(w, &slot, &tile);
-    const int col = tile * COLS + 8 * c, row0 = slot_row[slot];
-    const int rows = slot_row[slot + 1] - row0 - rg * 8;
-    if (col >= K) return;
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      if (i < rows)
-#pragma unroll
-        for (int k = 0; k < COPIES; ++k)
-          cp_async_16(sub_tile(buf, i) + 16 * k,
-                      x + ((long long)(row0 + rg * 8 + i) * ldx + col) * ESIZE + 16 * k);
-  };
-
-  if (blockIdx.x < items) prefetch(blockIdx.x, 0);
-  cp_async_commit();
-  int buf = 0;
-  for (long long w = blockIdx.x; w < items; w += gridDim.x, buf ^= 1) {
-    if (w + gridDim.x < items) prefetch(w + gridDim.x, buf ^ 1);
-    cp_async_commit();
-    int slot, tile;
-    item_slot_tile(w, &slot, &tile);
-    const int col0 = tile * COLS, col = col0 + 8 * c;
-    const int row0 = slot_row[slot], row_end = slot_row[slot + 1];
-    const bool col_ok = col < K;
-    cp_async_wait<1>();  // this thread's copies of item w have landed
-    Row8<DT> v[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      v[i].load_shared(sub_tile(buf, i), col_ok && row0 + rg * 8 + i < row_end);
-
-    if (ROWWISE) {  // 1 x ROW_BLOCK blocks: 8 values here, the rest in ROW_LANES - 1 lanes
-      // Lane i of a row block derives row i's scale (a division and a reciprocal) and the
-      // others take it by shuffles: 8 times less of that arithmetic.
-      const int lane_in_block = c % ROW_LANES;
-      float a = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float amax = row_amax<ROW_LANES>(v[i]);
-        a = lane_in_block == i ? amax : a;
+  const int wi = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int k = 0;
+  if (wi == TEAMS * TEAM_WARPS) {  // the producer
+    // 16-byte pieces: lane takes piece c of rows i0, i0 + ROWS_PER_STEP, ... of each 16
+    constexpr int LANES_PER_ROW = St::ROW_BYTES / 16, ROWS_PER_STEP = 32 / LANES_PER_ROW;
+    const int c = lane % LANES_PER_ROW, i0 = lane / LANES_PER_ROW;
+    const char* x = static_cast<const char*>(x_) + 16 * c;
+    const long long row_bytes = ldx * St::ESIZE;
+    for (long long w = blockIdx.x; w < items; w += gridDim.x, ++k) {
+      const int s = k % stages;
+      if (k >= stages) mbar_wait_sleep(&empty[s], (k / stages - 1) & 1);
+      const Item it = item(w);
+      if (lane == 0) {
+        stage_item[s] = it;
+        mbar_arrive_if(&full[s], true);  // (releases the item's words)
       }
-      const Scale mine = Scale::from_amax(nan_as_inf(a));
-      const int r_mine = row0 + rg * 8 + lane_in_block;
-      // (the row block is inside K when its first chunk is: lane 0's column)
-      if (lane_in_block < 8 && col - 8 * lane_in_block < K && r_mine < row_end)
-        mine.store(row_s, (long long)r_mine * ldrs + col / ROW_BLOCK);
-      const float2 parts = mine.parts();
+      unsigned char* dst = smem + s * St::BYTES + 16 * c + i0 * St::ROW_BYTES;
+      const char* src = x + (it.row0 + i0) * row_bytes + it.col0 * St::ESIZE;
+      if (16 * c < it.cols * St::ESIZE)
+        for (int r = 0; r < it.rows; r += 16, dst += St::GROUP_BYTES, src += 16 * row_bytes)
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int src = (threadIdx.x & 31 & ~(ROW_LANES - 1)) + i;
-        const Scale q = Scale::from_parts(__shfl_sync(FULL_MASK, parts.x, src),
-                                          __shfl_sync(FULL_MASK, parts.y, src));
-        store_row(q, v[i], row_q, ldrq, row0 + rg * 8 + i, row_end, col, col_ok);
-      }
+          for (int i = 0; i < 16; i += ROWS_PER_STEP)
+            if (r + i0 + i < it.rows) cp_async_16(dst + i * St::ROW_BYTES, src + i * row_bytes);
+      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(&full[s]))
+                   : "memory");
     }
-
-    // Column blocks: this thread's 8 rows, then every row group's in shared memory.
-    float part[8];
-    Row8<DT>::column_amax(v, part);
-    float4* my_partial = reinterpret_cast<float4*>(&partial[rg][8 * c]);
-    my_partial[0] = make_float4(part[0], part[1], part[2], part[3]);
-    my_partial[1] = make_float4(part[4], part[5], part[6], part[7]);
-    __syncthreads();
-    for (int k = t; k < COLS; k += THREADS) {
-      float amax = partial[0][k];
-#pragma unroll
-      for (int g = 1; g < GROUPS; ++g) amax = max_keep_nan(amax, partial[g][k]);
-      const Scale q = Scale::from_amax(nan_as_inf(amax));
-      const float2 parts = q.parts();
-      scale_parts[0][k] = parts.x;
-      scale_parts[1][k] = parts.y;
-      if (col0 + k < K) q.store(col_s, (col0 + k) * lds + slot);
-    }
-    __syncthreads();
-
-    // Each column's 8 bytes (this row group's rows) into the transposing buffer.
-    float s[8], y[8];
-    reinterpret_cast<float4*>(s)[0] = reinterpret_cast<const float4*>(&scale_parts[0][8 * c])[0];
-    reinterpret_cast<float4*>(s)[1] = reinterpret_cast<const float4*>(&scale_parts[0][8 * c])[1];
-    reinterpret_cast<float4*>(y)[0] = reinterpret_cast<const float4*>(&scale_parts[1][8 * c])[0];
-    reinterpret_cast<float4*>(y)[1] = reinterpret_cast<const float4*>(&scale_parts[1][8 * c])[1];
-    bool regular = true;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) regular &= Scale::from_parts(s[j], y[j]).regular;
-    // (sub-tiles wholly past the slot's rows or past K are not stored: skip their arithmetic)
-    if (!col_ok || row0 + rg * 8 >= row_end)
-      ;
-    else if (regular)
-      transpose_columns<false, GROUPS, Scale>(transposed, v, s, y, c, rg);
-    else
-      transpose_columns<true, GROUPS, Scale>(transposed, v, s, y, c, rg);
-    __syncthreads();
-
-    // 16-byte pieces along M: piece p is rows 16 * (p % (ROWS / 16)) of column p / (ROWS / 16).
-    const bool aligned = (row0 & 15) == 0;
-#pragma unroll
-    for (int it = 0; it < PIECES; ++it) {
-      const int p = it * THREADS + t;
-      const int k = p / (ROWS / 16), piece_row = 16 * (p % (ROWS / 16));
-      const int u = k * GROUPS + 2 * (p % (ROWS / 16));  // its first 8-byte unit (even)
-      const int key = (k / 8) & 15;
-      uint4 b = reinterpret_cast<const uint4*>(transposed)[((u & ~15) | ((u & 15) ^ key)) >> 1];
-      if (key & 1) b = make_uint4(b.z, b.w, b.x, b.y);  // the two units swapped places
-      const int r = row0 + piece_row, valid = min(16, row_end - r);
-      if (col0 + k >= K || valid <= 0) continue;
-      unsigned char* dst = col_q + (long long)(col0 + k) * ldcq + r;
-      if (aligned && valid == 16) {
-        *reinterpret_cast<uint4*>(dst) = b;
-      } else {  // a group's last rows, or a group starting off a 16-byte boundary
-        const u32 words[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll 1
-        for (int i = 0; i < valid; ++i) dst[i] = (unsigned char)(words[i >> 2] >> (8 * (i & 3)));
-      }
-    }
-    // No barrier here: the next item writes the partials after this item's third barrier
-    // (their reads precede the second), the scales after its own first barrier and the
-    // transposing buffer after its own second (their reads here precede the next item's first).
+    return;
   }
-  cp_async_wait<0>();
+  const int team = wi / TEAM_WARPS;
+  k = team;
+  for (long long w = blockIdx.x + (long long)team * gridDim.x; w < items;
+       w += (long long)TEAMS * gridDim.x, k += TEAMS) {
+    const int s = k % stages;
+    const unsigned char* stage = smem + s * St::BYTES;
+    mbar_wait_sleep(&full[s], (k / stages) & 1);
+    const Item it = stage_item[s];
+    quantize_item<DT, Scale, ROWWISE>(stage, it, wi % TEAM_WARPS, lane, col_q, ldcq, col_s, lds,
+                                      row_q, ldrq, row_s, ldrs);
+    __syncwarp();
+    mbar_arrive_if(&empty[s], lane == 0);
+  }
 }
 
-#define QUANTIZE_KERNEL(NAME, DT, ROWS, ROW_BLOCK, SCALE, ROWWISE)                            \
-  extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) NAME(                    \
-      const void* x, long long ldx, const int* offs, int M, int K, int G, int S,             \
-      int slot_group, unsigned char* col_q, long long ldcq, void* col_s, long long lds,      \
-      unsigned char* row_q, long long ldrq, void* row_s, long long ldrs) {                   \
-    quantize_group_columns<DT, ROWS, ROW_BLOCK, SCALE, ROWWISE>(                             \
-        x, ldx, offs, M, K, G, S, slot_group, col_q, ldcq, col_s, lds, row_q, ldrq, row_s,   \
-        ldrs);                                                                               \
+// Two teams for 16-bit x (96 registers a thread, no spills); one for fp32 x, whose 32 KB tile rows
+// need more registers than two teams leave.
+#define QUANTIZE_KERNEL(NAME, DT, SCALE, ROWWISE, TEAMS)                                         \
+  extern "C" __global__ void __launch_bounds__(32 * (TEAM_WARPS * TEAMS + 1), 1) NAME(          \
+      const void* x, long long ldx, const int* offs, int M, int K, int G, int S,               \
+      int slot_group, int stages, unsigned char* col_q, long long ldcq, void* col_s,           \
+      long long lds, unsigned char* row_q, long long ldrq, void* row_s, long long ldrs) {      \
+    quantize_group_columns<DT, SCALE, ROWWISE, TEAMS>(x, ldx, offs, M, K, G, S, slot_group,    \
+                                                      stages, col_q, ldcq, col_s, lds, row_q,  \
+                                                      ldrq, row_s, ldrs);                      \
   }
 
-#define QUANTIZE_KERNELS(SUFFIX, DT)                                                       \
-  QUANTIZE_KERNEL(quantize_columns_fp8_blockwise_##SUFFIX, DT, 128, 128, ScaleF32, false)  \
-  QUANTIZE_KERNEL(quantize_rows_columns_fp8_blockwise_##SUFFIX, DT, 128, 128, ScaleF32, true)
+#define QUANTIZE_KERNELS(SUFFIX, DT, TEAMS)                                                \
+  QUANTIZE_KERNEL(quantize_columns_fp8_blockwise_##SUFFIX, DT, ScaleF32, false, TEAMS)     \
+  QUANTIZE_KERNEL(quantize_rows_columns_fp8_blockwise_##SUFFIX, DT, ScaleF32, true, TEAMS)
 
-QUANTIZE_KERNELS(bf16, DT_BF16)
-QUANTIZE_KERNELS(f16, DT_F16)
-QUANTIZE_KERNELS(f32, DT_F32)
+QUANTIZE_KERNELS(bf16, DT_BF16, 2)
+QUANTIZE_KERNELS(f16, DT_F16, 2)
+QUANTIZE_KERNELS(f32, DT_F32, 1)

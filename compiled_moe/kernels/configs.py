@@ -234,23 +234,23 @@ def quantize_config(kind: str, device_type: str, cols: int = 0) -> TileConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def quantize_columns_cuda_config(shared_bytes: int, rowwise: bool) -> TileConfig:
-    """Blocks per SM and item order of the persistent CUDA columnwise quantize kernels
-    (csrc/grouped_quantize.cu), whose tile is fixed (128 x 128, 256 threads). H200, bf16, the
-    FC1 inputs of the four model shapes, same runs (benchmarks/RESULTS.md):
-      ctas_per_sm  two where two blocks' shared memory fits an SM (128 registers a thread allow
-                   two): 1.07-1.28x the speed of one.
-      group_m      slots per band of the item order. With the rowwise blocks too, bands of 16:
-                   0.50-0.63 of copy bandwidth against 0.49-0.64 with one band of all slots
-                   (Qwen3 1.10x, the others within 2%; 8 and 32 within 3% of 16). Columnwise
-                   alone, one band: 0.59-0.76 against 0.59-0.73 with bands of 16 (DeepSeek-V3
-                   1.13x, Qwen3 1.12x)."""
+def quantize_columns_cuda_config(stage_bytes: int, other_bytes: int, rowwise: bool
+                                 ) -> TileConfig:
+    """Ring stages and item order of the persistent CUDA columnwise quantize kernels
+    (csrc/grouped_quantize.cu: one CTA per SM, a fixed 128 x 128 tile). stage_bytes: one stage;
+    other_bytes: the rest of a CTA's shared memory. H200, bf16 row+col, the FC1 inputs of the four
+    model shapes (benchmarks/RESULTS.md):
+      num_stages  4 where they fit: 4 against 6 stages 0.99-1.03x in two runs; the consumers
+                  rather than the loads set the pace.
+      group_m     slots per band of the item order: 16 with the rowwise blocks, else one band of
+                  all slots. Bands of 1, 2, 4, 8 and 64 slots measured within 3% of 16 except
+                  DeepSeek-V3 with one slot (0.93x)."""
     def heuristic():
-        fit = max(1, min(2, _HOPPER_SHARED_PER_SM // max(shared_bytes, 1)))
+        stages = max(2, min(4, (_HOPPER_SHARED_PER_SM - 1024 - other_bytes) // (stage_bytes + 40)))
         return TileConfig(block_m=0, block_n=0, block_k=0, group_m=16 if rowwise else 2**30,
-                          num_warps=8, num_stages=2, ctas_per_sm=fit)
+                          num_warps=0, num_stages=stages, ctas_per_sm=1)
 
-    return _choose("quantize_columns_cuda", (shared_bytes, rowwise), "cuda", heuristic)
+    return _choose("quantize_columns_cuda", (stage_bytes, other_bytes, rowwise), "cuda", heuristic)
 
 
 @functools.lru_cache(maxsize=None)

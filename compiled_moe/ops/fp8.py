@@ -36,7 +36,7 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (2026-11-23, row+col of the FC1 input of the four model shapes, fraction of copy bandwidth,
 # fused against two launches): mxfp8 0.38-0.43 against 0.28-0.35; fp8_blockwise 0.12-0.21
 # against 0.29-0.39 (its fused 128-row tile does twice the scale work per element and holds more
-# registers). On sm_89+ fp8_blockwise columnwise output runs the CUDA kernel below instead.
+# registers). On sm_90+ fp8_blockwise columnwise output runs the CUDA kernel below instead.
 FUSE_ROW_AND_COLUMN = ("mxfp8",)
 
 
