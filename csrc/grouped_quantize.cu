@@ -425,7 +425,7 @@ __device__ __forceinline__ void quantize_item(
     const unsigned char* stage, const Item& it, int wi, int lane, unsigned char* __restrict__ col_q,
     long long ldcq, void* __restrict__ col_s, long long lds, unsigned char* __restrict__ row_q,
     long long ldrq, void* __restrict__ row_s, long long ldrs) {
-  if (ROWWISE) {
+  if (ROWWISE && 16 * wi < it.rows) {  // (a warp whose rows all lie past the slot has none to do)
     Values<DT, 8> v[4][2];
     const Scale sc = Scale::from_amax(nan_as_inf(load_rows<DT>(v, stage, it, wi, lane)));
     const int r = row_of(wi, lane, lane & 7);  // the row of this lane's scale (lanes p < 4)
@@ -435,6 +435,7 @@ __device__ __forceinline__ void quantize_item(
     else
       store_rows_exact<DT, Scale>(stage, sc.parts(), it, wi, lane, row_q, ldrq);
   }
+  if (16 * wi >= it.cols) return;  // (likewise for the columns past K)
   Values<DT, 4> v[16];
   const Scale sc = Scale::from_amax(nan_as_inf(load_columns<DT>(v, stage, it, wi, lane)));
   const int c = col_of(wi, lane) + (lane >> 2);  // the column of this lane's scale (lanes < 16)
