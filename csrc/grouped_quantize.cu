@@ -297,7 +297,7 @@ __device__ __forceinline__ float load_columns(Values<DT, 4> (&v)[16], const unsi
 #pragma unroll
   for (int i = 0; i < 16; ++i)
     v[i].load_shared(stage + S::row_offset(16 * g + i) + col_of(wi, lane) * S::ESIZE,
-                     16 * g + i < it.rows);
+                     16 * g + i < it.rows && col_of(wi, lane) < it.cols);  // (cols: a multiple of 8)
   float a = 0.0f;
 #pragma unroll
   for (int k = 0; k < Quad::WORDS; ++k) {

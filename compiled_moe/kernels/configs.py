@@ -240,11 +240,11 @@ def quantize_columns_cuda_config(stage_bytes: int, other_bytes: int, rowwise: bo
     (csrc/grouped_quantize.cu: one CTA per SM, a fixed 128 x 128 tile). stage_bytes: one stage;
     other_bytes: the rest of a CTA's shared memory. H200, bf16 row+col, the FC1 inputs of the four
     model shapes (benchmarks/RESULTS.md):
-      num_stages  4 where they fit: 4 against 6 stages 0.99-1.03x in two runs; the consumers
-                  rather than the loads set the pace.
+      num_stages  4 where they fit: 1.00-1.11x the speed of 6 in three runs (the consumers, not
+                  the loads, set the pace).
       group_m     slots per band of the item order: 16 with the rowwise blocks, else one band of
-                  all slots. Bands of 1, 2, 4, 8 and 64 slots measured within 3% of 16 except
-                  DeepSeek-V3 with one slot (0.93x)."""
+                  all slots. Bands of 1, 2, 4, 8 and 64 slots ran 0.93-1.05x the speed of 16
+                  (the extremes: DeepSeek-V3 with one slot, Mixtral with 64)."""
     def heuristic():
         stages = max(2, min(4, (_HOPPER_SHARED_PER_SM - 1024 - other_bytes) // (stage_bytes + 40)))
         return TileConfig(block_m=0, block_n=0, block_k=0, group_m=16 if rowwise else 2**30,

@@ -1,9 +1,9 @@
 """Launcher of the CUDA columnwise quantize kernels in ``csrc/grouped_quantize.cu``.
 
-``grouped_quantize`` of 2-D x with columnwise output and recipe fp8_blockwise runs them on GPUs
-of sm_90 and later (the e4m3 conversion instruction, mbarrier waits), when x's rows are 16-byte aligned
-8-column chunks (``supported``); with rowwise output too, the same launch writes the rowwise
-blocks (x is read once). Everything else runs the Triton kernels of ``kernels/quantize.py``.
+``grouped_quantize`` of 2-D x with columnwise output and recipe fp8_blockwise runs them on sm_90
+and later GPUs (the e4m3 conversion instruction, mbarrier waits), when x's rows are 16-byte
+aligned 8-column chunks (``supported``); with rowwise output too, the same launch writes the
+rowwise blocks (x is read once). Everything else runs the Triton kernels of ``kernels/quantize.py``.
 Both give the reference's bits.
 """
 
@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from compiled_moe import native, reference
+from compiled_moe import native
 from compiled_moe.kernels.configs import quantize_columns_cuda_config
 from compiled_moe.kernels.grouped_mm import _num_sms
 
@@ -94,7 +94,8 @@ def quantize_group_columns(x, offs, col_q, col_s, row_q, row_s, recipe: str,
     rq, rs = (row_q, row_s) if rowwise else (col_q, col_s)  # unused pointers when not rowwise
     name = f"quantize_{'rows_columns' if rowwise else 'columns'}_{recipe}_{_SUFFIX[x.dtype]}"
     i32, i64 = native.int32, native.int64
-    native.launch_driver(native.kernel("grouped_quantize", name, dev), grid, threads(x.dtype), shared,
+    native.launch_driver(native.kernel("grouped_quantize", name, dev), grid, threads(x.dtype),
+                         shared,
                          x, i64(x.stride(0)), offs.contiguous(), i32(M), i32(K), i32(G), i32(S),
                          i32(max(1, slot_group or cfg.group_m)), i32(cfg.num_stages),
                          col_q, i64(col_q.stride(0)), col_s, i64(col_s.stride(0)),
