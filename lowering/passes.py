@@ -13,6 +13,11 @@ is traced, so the backward comes from our ops' autograd formulas too:
   that is what makes it a permutation, so the rewrite is exact.
 - Zero-fills of rows at or past offs[-1] around our grouped_mm (the expert-parallel sentinel
   masks of that backend) are dropped: our kernels already write zeros there and read nothing.
+- The gated activation of that backend (and of transformers' expert loops),
+  ``silu(gate) * up`` with ``gate, up = x.chunk(2, dim=-1)`` -> ``moe_activation(x, "swiglu")``:
+  one kernel each way that reads x once (inductor's fusion of the same ops, forward and
+  backward, took 0.27 ms per Qwen3 step against 0.19 ms). It computes in fp32 and rounds
+  once, as inductor's fused kernel does.
 
 Every match is checked on the nodes' example values (shapes, dtypes) without adding guards;
 anything that does not match is left alone. The rewrite is idempotent.
@@ -423,6 +428,55 @@ def remove_row_masks(graph: Graph) -> int:
     return count
 
 
+# ---------------------------------------------------------------------------- gated activations
+
+
+def _silu_targets() -> set:
+    return {torch.nn.functional.silu, torch.ops.aten.silu.default, torch.ops.aten.silu}
+
+
+def _half_of(node: Any, index: int):
+    """(x, chunk) when node is x.chunk(2, dim=-1)[index] of a 2-D float x, else (None, None)."""
+    if not (_is_call(node, {operator.getitem}) and node.args[1] == index):
+        return None, None
+    chunk = node.args[0]
+    if not _is_call(chunk, {torch.chunk}, ("chunk",)):
+        return None, None
+    x, chunks, dim = chunk.args[0], _arg(chunk, 1, "chunks"), _arg(chunk, 2, "dim", 0)
+    xv = _tensor(x)
+    if chunks != 2 or dim not in (1, -1) or xv is None or xv.dim() != 2 or xv.dtype not in _FLOATS:
+        return None, None
+    if not _known(xv.shape[1] % 2 == 0):  # an odd width splits unevenly
+        return None, None
+    return x, chunk
+
+
+def rewrite_gated_activations(graph: Graph) -> int:
+    """Replace silu(gate) * up of (gate, up) = x.chunk(2, dim=-1) with moe_activation. Returns
+    the count."""
+    silu = _silu_targets()
+    count = 0
+    for node in list(graph.nodes):
+        if not _is_call(node, {operator.mul, torch.mul}, ("mul",)) or len(node.args) != 2 or node.kwargs:
+            continue
+        for act, up in (node.args, node.args[::-1]):
+            if not _is_call(act, silu, ("silu",)) or len(act.args) != 1 or act.kwargs.get("inplace"):
+                continue
+            x, chunk = _half_of(act.args[0], 0)
+            x_up, chunk_up = _half_of(up, 1)
+            if x is None or chunk_up is not chunk:
+                continue
+            gate = act.args[0]
+            new = _emit(graph, node, torch.ops.compiled_moe.moe_activation.default, x, "swiglu")
+            _replace(graph, node, new)
+            for dead in (act, gate, up, chunk):  # (silu and chunk are not in _PURE_FUNCTIONS)
+                if not getattr(dead, "_erased", False) and not dead.users:
+                    graph.erase_node(dead)
+            count += 1
+            break
+    return count
+
+
 def rewrite(graph: Graph) -> dict[str, int]:
     """Every rewrite of this module, in order; returns how many nodes each replaced."""
     import compiled_moe  # noqa: F401  (registers torch.ops.compiled_moe)
@@ -430,6 +484,7 @@ def rewrite(graph: Graph) -> dict[str, int]:
     counts = {"sorted_dispatch": rewrite_sorted_dispatch(graph),
               "grouped_mm": rewrite_grouped_mm(graph)}
     counts["row_masks"] = remove_row_masks(graph)
+    counts["gated_activation"] = rewrite_gated_activations(graph)
     if any(counts.values()):
         graph.lint()
     return counts
