@@ -463,7 +463,7 @@ def rewrite_gated_activations(graph: Graph) -> int:
             if not _is_call(act, silu, ("silu",)) or len(act.args) != 1 or act.kwargs.get("inplace"):
                 continue
             x, chunk = _half_of(act.args[0], 0)
-            x_up, chunk_up = _half_of(up, 1)
+            _, chunk_up = _half_of(up, 1)
             if x is None or chunk_up is not chunk:
                 continue
             gate = act.args[0]
