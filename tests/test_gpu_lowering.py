@@ -2,7 +2,7 @@
 compiled_moe backend against eager and float64, no host sync; a MoE block under
 mode="reduce-overhead" captured whole (no skipped CUDA graphs) and replayed under changing routing;
 torch.export + AOTInductor packaging (skipped where the torch build cannot load any package);
-inductor's cpp_wrapper (a known failure, marked xfail)."""
+inductor's cpp_wrapper, forward and a training step."""
 
 from __future__ import annotations
 
@@ -112,15 +112,35 @@ def test_aot_inductor_package(tmp_path):
             torch.testing.assert_close(runner(x), block(x), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "torch 2.11 + H200: the first call of the static-shape cpp_wrapper graph of the block gives "
-    "non-finite rows (whether or not eager ran first, with or without TMA); each op compiled "
-    "alone, and the block's dynamic-shape graph, match eager bitwise. Cause not found yet."))
 def test_cpp_wrapper():
+    """The block's static-shape graph under cpp_wrapper, first call included: on torch 2.11 the
+    C++ wrapper gives a Triton launch one program's global scratch, and kernels with
+    device-side descriptors wrote past it (the first call returned 1.9e37 where eager gave
+    O(1)); see kernels.grouped_mm.device_descriptors_ok."""
     block = _block()
     torch._dynamo.reset()
     compiled = torch.compile(block, fullgraph=True, options={"cpp_wrapper": True})
     with torch.no_grad():
-        for t, seed in ((256, 0), (700, 1)):
+        for t, seed in ((256, 0), (256, 1), (700, 1)):
             x = _x(t, seed)
             torch.testing.assert_close(compiled(x), block(x), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "torch 2.11 + H200 (2026-11-25): compiling the block's forward+backward under cpp_wrapper "
+    "raised a torch._inductor error; the message was not captured and the cause is not known "
+    "yet. The CPU tier's cpp_wrapper training step runs (test_cpp_wrapper_cpu_training_step)."))
+def test_cpp_wrapper_training_step():
+    """Forward and backward of the block under cpp_wrapper give eager's gradients."""
+    block = _block()
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True, options={"cpp_wrapper": True})
+    for t, seed in ((512, 0), (512, 1)):
+        grads = []
+        for fn in (compiled, block):
+            x = _x(t, seed).requires_grad_(True)
+            block.zero_grad(set_to_none=True)
+            fn(x).float().square().mean().backward()
+            grads.append([x.grad] + [p.grad for p in block.parameters()])
+        for got, want in zip(*grads):
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3 * want.abs().max().item())

@@ -405,7 +405,7 @@ def test_export_and_aot_inductor_package(tmp_path):
 
 def test_cpp_wrapper_cpu():
     """inductor's cpp_wrapper (C++ instead of Python around the kernels) runs the block like
-    eager on CPU (the GPU tier's version is a known failure on torch 2.11, marked xfail)."""
+    eager on CPU (the GPU tier runs it on the GPU)."""
     torch.manual_seed(0)
     block = _MoEBlock()
     torch._dynamo.reset()
@@ -414,3 +414,80 @@ def test_cpp_wrapper_cpu():
         for t in (100, 333):
             x = torch.randn(t, 64)
             torch.testing.assert_close(compiled(x), block(x), rtol=1e-5, atol=1e-5)
+
+
+def test_cpp_wrapper_cpu_training_step():
+    """Forward and backward of the block under cpp_wrapper give eager's gradients (CPU)."""
+    torch.manual_seed(0)
+    block = _MoEBlock()
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True, options={"cpp_wrapper": True})
+    grads = []
+    for fn in (compiled, block):
+        x = torch.randn(100, 64, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+        block.zero_grad(set_to_none=True)
+        fn(x).square().mean().backward()
+        grads.append([x.grad] + [p.grad for p in block.parameters()])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@torch.library.triton_op("compiled_moe_test::descriptor_probe", mutates_args=())
+def _descriptor_probe(x: torch.Tensor) -> torch.Tensor:
+    from compiled_moe.kernels import grouped_mm as kernels
+
+    _descriptor_probe.seen.append(kernels.device_descriptors_ok(x))
+    return x + 1
+
+
+_descriptor_probe.seen = []
+
+
+@pytest.mark.parametrize("scratch_covers_grid", [True, False])
+def test_device_descriptors_under_cpp_wrapper(monkeypatch, scratch_covers_grid):
+    """The Triton launchers' choice of device-side tensor descriptors, seen from inside a
+    triton_op body: off only while inductor traces for a C++ wrapper that gives the launch one
+    program's scratch (torch 2.11's cpp_wrapper; the GPU tier's test_cpp_wrapper runs the case
+    on the H200), on in eager calls and under the Python wrapper."""
+    from compiled_moe.kernels import grouped_mm as kernels
+
+    monkeypatch.setattr(kernels, "cpp_wrapper_scratch_covers_grid", lambda: scratch_covers_grid)
+    # The patched answer is not part of the compile caches' keys: trace every time.
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+
+    def seen_by(fn):
+        _descriptor_probe.seen.clear()
+        fn(torch.ones(4))
+        return set(_descriptor_probe.seen)
+
+    def f(x):
+        return _descriptor_probe(x) * 2
+
+    assert seen_by(f) == {True}
+    for options, expected in (({}, {True}), ({"cpp_wrapper": True}, {True, scratch_covers_grid})):
+        torch._dynamo.reset()
+        assert seen_by(torch.compile(f, fullgraph=True, options=options)) == expected
+
+
+def test_device_descriptors_on_fake_tensors(monkeypatch):
+    """Tensors of a trace count as tracing even where torch.compiler.is_compiling() says no
+    (torch 2.11 inside AOTAutograd); real tensors never turn the descriptors off."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compiled_moe.kernels import grouped_mm as kernels
+
+    monkeypatch.setattr(kernels, "cpp_wrapper_scratch_covers_grid", lambda: False)
+    monkeypatch.setattr(torch._inductor.config, "cpp_wrapper", True)
+    assert kernels.device_descriptors_ok(torch.ones(2))
+    with FakeTensorMode():
+        assert not kernels.device_descriptors_ok(torch.ones(2))
+
+
+def test_cpp_wrapper_scratch_detection():
+    """torch 2.13 sizes the C++ wrapper's scratch for the whole grid; the detection sees it."""
+    from compiled_moe.kernels import grouped_mm as kernels
+
+    if torch.__version__ < "2.13":
+        pytest.skip("the fix is known present from torch 2.13")
+    assert kernels.cpp_wrapper_scratch_covers_grid()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import torch
 import triton
@@ -341,12 +342,59 @@ def _ensure_tma_scratch() -> None:
     triton.set_allocator(_tma_scratch)
 
 
+@functools.lru_cache(maxsize=None)
+def cpp_wrapper_scratch_covers_grid() -> bool:
+    """Whether inductor's C++ wrapper gives a Triton launch global scratch for every program.
+
+    Device-side tensor descriptors live in that scratch, one slot per program at pid * size.
+    Triton's own launcher allocates size x grid; the C++ wrapper of cpp_wrapper and
+    AOTInductor allocated one program's size until torch fixed it (torch 2.13 scales by the
+    grid; the torch 2.11 of the GPU image does not), so every other program wrote its
+    descriptors past the buffer. The fix shows in the generated allocation, so this looks
+    for the grid there rather than guessing the release.
+    """
+    try:
+        import inspect
+
+        from torch._inductor.codegen.cuda.device_op_overrides import CUDADeviceOpOverrides
+
+        return "grid_0" in inspect.getsource(CUDADeviceOpOverrides.cpp_scratch)
+    except Exception:  # the internals moved: assume the old allocation
+        return False
+
+
+def _traced(tensors) -> bool:
+    """Whether these are tensors of a trace rather than data. torch 2.11 reports
+    torch.compiler.is_compiling() False while AOTAutograd traces a triton_op's body (whose
+    tensors are FunctionalTensors there), so the tensors and dynamo's context are asked too.
+    Plain tensors are checked by type first: an eager launch pays about 1 us here."""
+    if any(type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter for t in tensors):
+        return True
+    from torch._guards import TracingContext
+
+    return torch.compiler.is_compiling() or TracingContext.try_get() is not None
+
+
+def device_descriptors_ok(*tensors: torch.Tensor) -> bool:
+    """False while inductor traces a graph for a C++ wrapper whose scratch is one program's
+    (cpp_wrapper, AOTInductor; see cpp_wrapper_scratch_covers_grid): the kernels then take
+    pointer loads and stores. The static-shape MoE block of tests/test_gpu_lowering.py gave
+    wrong rows (values of 1e37, or NaN) on its first cpp_wrapper call on the H200 with torch
+    2.11 before this, and the right ones after it."""
+    if not _traced(tensors):
+        return True
+    config = sys.modules.get("torch._inductor.config")  # read only in a trace: 2-4 us
+    return config is None or not config.cpp_wrapper or cpp_wrapper_scratch_covers_grid()
+
+
 def _use_tma(*tensors: torch.Tensor) -> bool:
-    """TMA loads when the strides allow them and COMPILED_MOE_TMA is not 0.
+    """TMA loads when the strides allow them, COMPILED_MOE_TMA is not 0 and the launch gets
+    the descriptors' scratch (device_descriptors_ok).
 
     The interpreter runs the TMA path too (it emulates descriptors), so the CPU tier tests it.
     """
-    if os.environ.get("COMPILED_MOE_TMA", "1") == "0" or not _tma_ok(*tensors):
+    if (os.environ.get("COMPILED_MOE_TMA", "1") == "0" or not _tma_ok(*tensors)
+            or not device_descriptors_ok(*tensors)):
         return False
     if tensors[0].device.type == "cuda":
         _ensure_tma_scratch()
