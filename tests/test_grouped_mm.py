@@ -387,3 +387,26 @@ def test_cuda_kernel_ops_check_their_inputs():
     with pytest.raises(ValueError, match="accumulate_mask must have shape"):
         ops.grouped_mm_wgrad_accumulate_sm90_(torch.empty(3, 8, 5, device="meta"), a, d, offs,
                                               torch.empty(2, dtype=torch.bool, device="meta"))
+
+
+def test_every_op_body_runs_on_its_tensors_device():
+    """Python-registered ops get no device guard from the dispatcher, so every op body of
+    compiled_moe/ops is wrapped in on_tensor_device (its behaviour on two GPUs:
+    tests/test_gpu_multi_device.py)."""
+    import ast
+    import pathlib
+
+    import compiled_moe.ops
+
+    unguarded, ops = [], 0
+    for path in pathlib.Path(compiled_moe.ops.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            names = [ast.unparse(d.func if isinstance(d, ast.Call) else d) for d in node.decorator_list]
+            if any(n in ("torch.library.triton_op", "torch.library.custom_op", "kernel_op") for n in names):
+                ops += 1
+                if names[1:2] != ["on_tensor_device"]:
+                    unguarded.append(f"{path.name}:{node.name}")
+    assert ops >= 19
+    assert not unguarded, f"op bodies without on_tensor_device: {unguarded}"

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from compiled_moe import reference
-from compiled_moe.ops._dispatch import check_same_device, check_tensor, use_kernel
+from compiled_moe.ops._dispatch import check_same_device, check_tensor, on_tensor_device, use_kernel
 from compiled_moe.reference import ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS
 
 
@@ -41,6 +41,7 @@ def _check(h, activation, gate_up_layout) -> None:
 
 
 @torch.library.triton_op("compiled_moe::moe_activation", mutates_args=())
+@on_tensor_device
 def _moe_activation(h: Tensor, activation: str, gate_up_layout: str = "stacked",
                     alpha: float = reference.GPT_OSS_ALPHA,
                     limit: float = reference.GPT_OSS_LIMIT) -> Tensor:
@@ -68,6 +69,7 @@ def _check_backward(grad, h, activation, gate_up_layout) -> None:
 
 
 @torch.library.triton_op("compiled_moe::moe_activation_backward", mutates_args=())
+@on_tensor_device
 def _moe_activation_backward(grad: Tensor, h: Tensor, activation: str, gate_up_layout: str,
                              alpha: float, limit: float) -> Tensor:
     _check_backward(grad, h, activation, gate_up_layout)

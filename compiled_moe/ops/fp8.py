@@ -25,6 +25,8 @@ from compiled_moe.ops._dispatch import (
     check_offs,
     check_same_device,
     check_tensor,
+    kernel_op,
+    on_tensor_device,
     use_kernel,
 )
 from compiled_moe.reference import FP8_DTYPE, check_recipe, fp8_block, fp8_column_slots
@@ -123,6 +125,7 @@ def _quantize_outputs(x, offs, recipe, rowwise, columnwise):
 
 
 @torch.library.triton_op("compiled_moe::grouped_quantize", mutates_args=())
+@on_tensor_device
 def _grouped_quantize(x: Tensor, offs: Optional[Tensor], recipe: str, rowwise: bool = True,
                       columnwise: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_quantize(x, offs, recipe, rowwise, columnwise)
@@ -173,8 +176,8 @@ def _(x, offs, recipe, rowwise=True, columnwise=False):
 # GEMMs: inductor cannot trace a driver launch. It repeats the checks (it is reachable as
 # torch.ops.compiled_moe.grouped_quantize_columns_cuda) and runs the Triton kernels where x's
 # address is not 16-byte aligned or the slot table does not fit in shared memory.
-@torch.library.custom_op("compiled_moe::grouped_quantize_columns_cuda", mutates_args=(),
-                         device_types="cuda")
+@kernel_op("grouped_quantize_columns_cuda")
+@on_tensor_device
 def _grouped_quantize_columns_cuda(x: Tensor, offs: Tensor, recipe: str,
                                    rowwise: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_quantize(x, offs, recipe, rowwise, True)
@@ -241,6 +244,7 @@ def _check_scaled_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype) -> None:
 
 
 @torch.library.triton_op("compiled_moe::scaled_grouped_mm", mutates_args=())
+@on_tensor_device
 def _scaled_grouped_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, offs: Tensor,
                        recipe: str, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     _check_scaled_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype)
@@ -264,8 +268,8 @@ def _(a, b, a_scale, b_scale, offs, recipe, out_dtype=None):
 # Hopper. An opaque custom op, because inductor cannot trace a driver launch. It repeats
 # scaled_grouped_mm's checks (a few microseconds of host time): it is reachable as
 # torch.ops.compiled_moe.fp8_blockwise_grouped_mm_sm90, and a bad call must not reach the kernel.
-@torch.library.custom_op("compiled_moe::fp8_blockwise_grouped_mm_sm90", mutates_args=(),
-                         device_types="cuda")
+@kernel_op("fp8_blockwise_grouped_mm_sm90")
+@on_tensor_device
 def _fp8_blockwise_grouped_mm_sm90(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor,
                                    offs: Tensor, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     _check_scaled_mm(a, b, a_scale, b_scale, offs, "fp8_blockwise", out_dtype)
@@ -309,6 +313,7 @@ def _check_scaled_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype) -> 
 
 
 @torch.library.triton_op("compiled_moe::scaled_grouped_mm_wgrad", mutates_args=())
+@on_tensor_device
 def _scaled_grouped_mm_wgrad(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale: Tensor,
                              offs: Tensor, recipe: str,
                              out_dtype: Optional[torch.dtype] = None) -> Tensor:
@@ -345,8 +350,8 @@ def _check_sm90_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype) -> No
 # nothing otherwise; the Triton kernel launched after it tests the same condition on offs, on
 # the device, and does the opposite, so neither the host nor the graph needs to know which case
 # it is (no sync).
-@torch.library.custom_op("compiled_moe::fp8_grouped_mm_wgrad_sm90", mutates_args=(),
-                         device_types="cuda")
+@kernel_op("fp8_grouped_mm_wgrad_sm90")
+@on_tensor_device
 def _fp8_grouped_mm_wgrad_sm90(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale: Tensor,
                                offs: Tensor, recipe: str,
                                out_dtype: Optional[torch.dtype] = None) -> Tensor:

@@ -29,6 +29,8 @@ from compiled_moe.ops._dispatch import (
     check_same_device,
     check_same_dtype,
     check_tensor,
+    kernel_op,
+    on_tensor_device,
     use_kernel,
 )
 
@@ -78,6 +80,7 @@ def _check_wgrad(a, grad_out, offs, num_groups=None) -> None:
 
 
 @torch.library.triton_op("compiled_moe::grouped_mm", mutates_args=())
+@on_tensor_device
 def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor, bias: Optional[Tensor] = None,
                 out_dtype: Optional[torch.dtype] = None) -> Tensor:
     _check_grouped_mm(a, b, offs, bias, out_dtype)
@@ -133,6 +136,7 @@ _grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_se
 
 
 @torch.library.triton_op("compiled_moe::grouped_mm_wgrad", mutates_args=())
+@on_tensor_device
 def _grouped_mm_wgrad(a: Tensor, grad_out: Tensor, offs: Tensor,
                       out_dtype: Optional[torch.dtype] = None) -> Tensor:
     _check_wgrad(a, grad_out, offs)
@@ -191,6 +195,7 @@ def _check_wgrad_accumulate(main_grad, a, grad_out, offs, accumulate_mask) -> No
 
 
 @torch.library.triton_op("compiled_moe::grouped_mm_wgrad_accumulate_", mutates_args=("main_grad",))
+@on_tensor_device
 def _grouped_mm_wgrad_accumulate_(main_grad: Tensor, a: Tensor, grad_out: Tensor, offs: Tensor,
                                   accumulate_mask: Optional[Tensor] = None) -> None:
     _check_wgrad_accumulate(main_grad, a, grad_out, offs, accumulate_mask)
@@ -219,7 +224,8 @@ def _(main_grad, a, grad_out, offs, accumulate_mask=None):
 # the Triton kernels.
 
 
-@torch.library.custom_op("compiled_moe::grouped_mm_sm90", mutates_args=(), device_types="cuda")
+@kernel_op("grouped_mm_sm90")
+@on_tensor_device
 def _grouped_mm_sm90(a: Tensor, b: Tensor, offs: Tensor, bias: Optional[Tensor] = None,
                      out_dtype: Optional[torch.dtype] = None) -> Tensor:
     _check_grouped_mm(a, b, offs, bias, out_dtype)
@@ -238,7 +244,8 @@ def _(a, b, offs, bias=None, out_dtype=None):
     return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or a.dtype)
 
 
-@torch.library.custom_op("compiled_moe::grouped_mm_wgrad_sm90", mutates_args=(), device_types="cuda")
+@kernel_op("grouped_mm_wgrad_sm90")
+@on_tensor_device
 def _grouped_mm_wgrad_sm90(a: Tensor, grad_out: Tensor, offs: Tensor,
                            out_dtype: Optional[torch.dtype] = None) -> Tensor:
     _check_wgrad(a, grad_out, offs)
@@ -262,6 +269,7 @@ def _(a, grad_out, offs, out_dtype=None):
 
 @torch.library.custom_op("compiled_moe::grouped_mm_wgrad_accumulate_sm90_", mutates_args=("main_grad",),
                          device_types="cuda")
+@on_tensor_device
 def _grouped_mm_wgrad_accumulate_sm90_(main_grad: Tensor, a: Tensor, grad_out: Tensor, offs: Tensor,
                                        accumulate_mask: Optional[Tensor] = None) -> None:
     _check_wgrad_accumulate(main_grad, a, grad_out, offs, accumulate_mask)
@@ -294,6 +302,7 @@ def _check_grouped_sum(x, offs, out_dtype) -> None:
 
 
 @torch.library.triton_op("compiled_moe::grouped_sum", mutates_args=())
+@on_tensor_device
 def _grouped_sum(x: Tensor, offs: Tensor, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     _check_grouped_sum(x, offs, out_dtype)
     if not use_kernel(x):

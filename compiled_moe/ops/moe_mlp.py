@@ -26,7 +26,14 @@ import torch
 from torch import Tensor
 
 from compiled_moe import reference
-from compiled_moe.ops._dispatch import check_offs, check_same_device, check_same_dtype, check_tensor, use_kernel
+from compiled_moe.ops._dispatch import (
+    check_offs,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+    on_tensor_device,
+    use_kernel,
+)
 from compiled_moe.reference import ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS
 
 
@@ -98,6 +105,7 @@ def _outputs(x, w1, activation, source, save_h):
 
 
 @torch.library.triton_op("compiled_moe::moe_mlp", mutates_args=())
+@on_tensor_device
 def _moe_mlp(x: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, activation: str,
              gate_up_layout: str = "stacked", probs: Optional[Tensor] = None,
              b1: Optional[Tensor] = None, b2: Optional[Tensor] = None,
@@ -234,6 +242,7 @@ def _dgrad_outputs(dy, w2, h, probs):
 
 
 @torch.library.triton_op("compiled_moe::moe_mlp_fc2_dgrad", mutates_args=())
+@on_tensor_device
 def _moe_mlp_fc2_dgrad(dy: Tensor, w2: Tensor, h: Tensor, offs: Tensor, probs: Optional[Tensor],
                        activation: str, gate_up_layout: str, alpha: float, limit: float
                        ) -> tuple[Tensor, Tensor, Tensor]:

@@ -4,8 +4,8 @@ torch.ops.compiled_moe.moe_route      topk_ids -> (offs, row_of, source): the ex
 torch.ops.compiled_moe.moe_permute    x[r] = hidden[source[r] // k]            (gather)
 torch.ops.compiled_moe.moe_unpermute  out[t] = sum_s w[t, s] * y[row_of[t, s]]  (combine)
 
-moe_route is a ``custom_op`` whose CUDA path is the NVRTC kernel of csrc/moe_route.cu; the
-other two are ``triton_op``s. On CPU every op runs its reference (compiled_moe.reference).
+moe_route is an opaque op (``kernel_op``: no autograd, integer outputs) whose CUDA path is the
+NVRTC kernel of csrc/moe_route.cu; the other two are ``triton_op``s. On CPU every op runs its reference (compiled_moe.reference).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from compiled_moe import reference
-from compiled_moe.ops._dispatch import check_same_device, check_tensor, use_kernel
+from compiled_moe.ops._dispatch import check_same_device, check_tensor, kernel_op, on_tensor_device, use_kernel
 
 _ID_DTYPES = (torch.int32, torch.int64)
 # moe_route's kernels keep per-expert counts in at most 48 KB of shared memory (the default
@@ -51,7 +51,8 @@ def _route_outputs(topk_ids, num_experts, pad_multiple):
     return new(num_experts), new(num_tokens, k), new(capacity)
 
 
-@torch.library.custom_op("compiled_moe::moe_route", mutates_args=())
+@kernel_op("moe_route", device_types=("cuda", "cpu"))
+@on_tensor_device
 def _moe_route(topk_ids: Tensor, num_experts: int, pad_multiple: int = 1
                ) -> tuple[Tensor, Tensor, Tensor]:
     _check_route(topk_ids, num_experts, pad_multiple)
@@ -60,11 +61,7 @@ def _moe_route(topk_ids: Tensor, num_experts: int, pad_multiple: int = 1
     if topk_ids.device.type != "cuda" or not native.available():
         return reference.moe_route(topk_ids, num_experts, pad_multiple)
     offs, row_of, source = _route_outputs(topk_ids, num_experts, pad_multiple)
-    if topk_ids.device.index == torch.cuda.current_device():
-        _route_cuda(topk_ids.contiguous(), num_experts, pad_multiple, offs, row_of, source)
-    else:  # launches go to the current device's context and stream
-        with torch.cuda.device(topk_ids.device):
-            _route_cuda(topk_ids.contiguous(), num_experts, pad_multiple, offs, row_of, source)
+    _route_cuda(topk_ids.contiguous(), num_experts, pad_multiple, offs, row_of, source)
     return offs, row_of, source
 
 
@@ -136,6 +133,7 @@ def _check_unpermute(y, row_of, source, weights) -> None:
 
 
 @torch.library.triton_op("compiled_moe::moe_permute", mutates_args=())
+@on_tensor_device
 def _moe_permute(hidden: Tensor, row_of: Tensor, source: Tensor,
                  scale: Optional[Tensor] = None) -> Tensor:
     _check_permute(hidden, row_of, source, scale)
@@ -172,6 +170,7 @@ _moe_permute.register_autograd(_permute_backward, setup_context=_permute_setup)
 
 
 @torch.library.triton_op("compiled_moe::moe_unpermute", mutates_args=())
+@on_tensor_device
 def _moe_unpermute(y: Tensor, row_of: Tensor, source: Tensor,
                    weights: Optional[Tensor] = None) -> Tensor:
     _check_unpermute(y, row_of, source, weights)
@@ -215,6 +214,7 @@ _moe_unpermute.register_autograd(_unpermute_backward, setup_context=_unpermute_s
 
 
 @torch.library.triton_op("compiled_moe::moe_unpermute_backward", mutates_args=())
+@on_tensor_device
 def _moe_unpermute_backward(grad_out: Tensor, y: Tensor, row_of: Tensor, source: Tensor,
                             weights: Tensor) -> tuple[Tensor, Tensor]:
     """(grad_y, grad_weights) of moe_unpermute with weights. Not differentiable itself."""
