@@ -117,7 +117,7 @@ def grouped_mm_wgrad(a, grad_out, offs, out, accumulate: bool, accumulate_mask,
     num_stages = min(num_stages or cfg.num_stages, _MAX_STAGES)
     num_tiles = G * -(-P // 128) * -(-Q // 256)
     i32, i64 = native.int32, native.int64
-    native.launch(
+    native.launch_driver(
         native.kernel("grouped_mm", _WGRAD_KERNELS[a.dtype], dev),
         min(_num_sms(dev), num_tiles), _THREADS, _shared_bytes(num_stages),
         _map(a), _map(grad_out), _out_map(out),
@@ -148,7 +148,7 @@ def grouped_mm(a, b, offs, bias, out, num_stages=None) -> None:
                                 (64, 64, 1), _OUT_MAP_TYPES[out.dtype])
     num_stages = min(num_stages or grouped_mm_sm90_config().num_stages, _MAX_STAGES)
     i32, i64 = native.int32, native.int64
-    native.launch(
+    native.launch_driver(
         native.kernel("grouped_mm", name, dev),
         _num_sms(dev), _THREADS, _shared_bytes(num_stages, G),
         a_map, b_map, out_map, out, i32(_OUT_KINDS[out.dtype]), i64(out.stride(0)),

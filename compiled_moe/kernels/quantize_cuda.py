@@ -94,7 +94,7 @@ def quantize_group_columns(x, offs, col_q, col_s, row_q, row_s, recipe: str,
     rq, rs = (row_q, row_s) if rowwise else (col_q, col_s)  # unused pointers when not rowwise
     name = f"quantize_{'rows_columns' if rowwise else 'columns'}_{recipe}_{_SUFFIX[x.dtype]}"
     i32, i64 = native.int32, native.int64
-    native.launch(native.kernel("grouped_quantize", name, dev), grid, threads(x.dtype),
+    native.launch_driver(native.kernel("grouped_quantize", name, dev), grid, threads(x.dtype),
                          shared,
                          x, i64(x.stride(0)), offs.contiguous(), i32(M), i32(K), i32(G), i32(S),
                          i32(max(1, slot_group or cfg.group_m)), i32(cfg.num_stages),

@@ -87,7 +87,7 @@ def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, num_stages=None, cluste
     if cluster > 1:
         fit = native.max_active_clusters(kernel, _THREADS, shared(num_stages), grid)
         grid = min(grid, cluster * max(fit, 1))
-    native.launch(
+    native.launch_driver(
         kernel, grid, _THREADS, shared(num_stages),
         a_map, b_map, out_map,
         a_scale, i64(a_scale.stride(0)), i32(a_scale.stride(1)),
@@ -145,7 +145,7 @@ def scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe: str, out,
     cfg = fp8_wgrad_sm90_config(size_hint(M) // G)
     num_stages = wgrad_stages(num_stages or cfg.num_stages, G, out.dtype)
     num_tiles = G * -(-P // 128) * -(-Q // 128)
-    native.launch(
+    native.launch_driver(
         native.kernel("fp8_grouped_mm", "fp8_grouped_mm_wgrad", dev),
         min(_num_sms(dev), num_tiles), _THREADS, _wgrad_shared_bytes(G, num_stages, out.dtype),
         a_map, d_map, out_map,
