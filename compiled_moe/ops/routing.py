@@ -5,7 +5,8 @@ torch.ops.compiled_moe.moe_permute    x[r] = hidden[source[r] // k]            (
 torch.ops.compiled_moe.moe_unpermute  out[t] = sum_s w[t, s] * y[row_of[t, s]]  (combine)
 
 moe_route is an opaque op (``kernel_op``: no autograd, integer outputs) whose CUDA path is the
-NVRTC kernel of csrc/moe_route.cu; the other two are ``triton_op``s. On CPU every op runs its reference (compiled_moe.reference).
+NVRTC kernel of csrc/moe_route.cu; the other two are ``triton_op``s. On CPU every op runs its
+reference (compiled_moe.reference).
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ import torch
 from torch import Tensor
 
 from compiled_moe import reference
-from compiled_moe.ops._dispatch import check_same_device, check_tensor, kernel_op, on_tensor_device, use_kernel
+from compiled_moe.ops._dispatch import (
+    check_same_device,
+    check_tensor,
+    kernel_op,
+    on_tensor_device,
+    use_kernel,
+)
 
 _ID_DTYPES = (torch.int32, torch.int64)
 # moe_route's kernels keep per-expert counts in at most 48 KB of shared memory (the default
