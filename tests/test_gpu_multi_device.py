@@ -18,7 +18,7 @@ pytestmark = [
 
 
 def _on(device, tensors: dict) -> dict:
-    return {k: (v.to(device).requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v)
+    return {k: (v.detach().to(device).requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v)
             for k, v in tensors.items()}
 
 
