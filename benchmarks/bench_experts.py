@@ -6,7 +6,11 @@
             (its grouped_mm_experts_forward on a Qwen3MoeExperts module of each model shape),
             eager and torch.compile'd, forward and forward+backward, bf16.
 
+  small routings (--small-routes): moe_route's one-program Triton kernel against its NVRTC
+            kernels and the composition, GPU time, 16 to 4096 pairs.
+
     python benchmarks/bench_experts.py [--models qwen ...] [--tokens 8192] [--json out.json]
+    python benchmarks/bench_experts.py --small-routes
 """
 
 from __future__ import annotations
@@ -63,13 +67,47 @@ def hf_experts_module(shape, dtype):
     return mod
 
 
+def small_route_rows():
+    """GPU time (CUDA-graph replay) of moe_route where it may run one Triton program, that
+    kernel forced on and off (ops.routing.ROUTE_ONE_PROGRAM_PAIRS), against the composition."""
+    from compiled_moe.ops import routing
+
+    limit = routing.ROUTE_ONE_PROGRAM_PAIRS
+    print(f"{'experts':>7s} {'pairs':>6s} {'one program':>12s} {'NVRTC':>7s} {'composition':>12s}"
+          f"   (us, graph replay; one program is the default up to {limit} pairs)")
+    rows = []
+    for experts in (8, 64, 128, 256, 2048):
+        for pairs in (16, 128, 512, 1024, 4096):
+            k = 8
+            ids = torch.randint(0, experts, (pairs // k, k), device="cuda",
+                                generator=torch.Generator("cuda").manual_seed(pairs))
+            times = {}
+            for name, forced in (("one_program", 1 << 30), ("nvrtc", 0)):
+                routing.ROUTE_ONE_PROGRAM_PAIRS = forced
+                try:
+                    times[name] = bench_graph(lambda: cm.moe_route(ids, experts)) * 1e3
+                finally:
+                    routing.ROUTE_ONE_PROGRAM_PAIRS = limit
+            times["composition"] = bench_graph(lambda: route_composition(ids, experts)) * 1e3
+            rows.append(dict(experts=experts, pairs=pairs, **times))
+            print(f"{experts:7d} {pairs:6d} {times['one_program']:12.1f} {times['nvrtc']:7.1f} "
+                  f"{times['composition']:12.1f}")
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="*", default=None, help="substrings of model names")
     p.add_argument("--tokens", type=int, default=None, help="override tokens (default: 8192 for "
                    "Qwen3-30B-A3B, the table's value otherwise)")
     p.add_argument("--json", default=None)
+    p.add_argument("--small-routes", action="store_true", help="only the small-routing table")
     args = p.parse_args()
+    if args.small_routes:
+        rows = small_route_rows()
+        if args.json:
+            write_json(args.json, dict(environment=environment(), small_routes=rows))
+        return
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     dtype = torch.bfloat16

@@ -7,7 +7,8 @@
   (b) Host time per compiled experts-block forward (CPU timer, no synchronisation, a tiny
       problem so the GPU never holds the host back): ``compiled_moe.moe_experts`` compiled,
       against the same block built from opaque ``custom_op`` wrappers of the same ops, and the
-      floor of the machine: a compiled function that only adds 1, in each mode.
+      floor of the machine: a compiled function that only adds 1, in each mode. All nine
+      compiled side by side, then timed in interleaved rounds (medians).
 
     python benchmarks/bench_lowering.py [--models qwen] [--tokens 8192] [--json out.json]
     python benchmarks/bench_lowering.py --profile     # where the GPU time goes, per kernel
@@ -16,13 +17,15 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 
 import compiled_moe as cm
+from compiled_moe.ops import routing as routing_ops
 from bench_experts import hf_experts_module, skewed_topk
 from common import MODELS, bench, environment, write_json
-from host_overhead import host_us
+from host_overhead import interleaved_us, own_code
 
 
 def _hf_problem(shape, tokens_override):
@@ -117,6 +120,10 @@ def _opaque_ops():
     lib = "compiled_moe_bench_opaque"
     ops = {}
 
+    @torch.library.custom_op(f"{lib}::route", mutates_args=())
+    def route(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return torch.ops.compiled_moe.moe_route(ids, experts, 1)
+
     @torch.library.custom_op(f"{lib}::permute", mutates_args=())
     def permute(hidden: torch.Tensor, row_of: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         return torch.ops.compiled_moe.moe_permute(hidden, row_of, source)
@@ -134,15 +141,19 @@ def _opaque_ops():
                   w: torch.Tensor) -> torch.Tensor:
         return torch.ops.compiled_moe.moe_unpermute(y, row_of, source, w)
 
+    route.register_fake(lambda i, e: torch.ops.compiled_moe.moe_route(i, e, 1))
     permute.register_fake(lambda h, r, s: h.new_empty(s.shape[0], h.shape[1]))
     linear.register_fake(lambda x, w, o: x.new_empty(x.shape[0], w.shape[1]))
     act.register_fake(lambda h: h.new_empty(h.shape[0], h.shape[1] // 2))
     unpermute.register_fake(lambda y, r, s, w: y.new_empty(r.shape[0], y.shape[1]))
-    ops.update(permute=permute, linear=linear, act=act, unpermute=unpermute)
+    ops.update(route=route, permute=permute, linear=linear, act=act, unpermute=unpermute)
     return ops
 
 
 def host_rows():
+    import torch._functorch.config
+    import torch._inductor.config
+
     experts, hidden_size, inter, k, tokens = 8, 256, 128, 2, 64
     g = torch.Generator(device="cuda").manual_seed(0)
     # Parameters, as in a model: CUDA graphs keep their addresses instead of copying them in.
@@ -158,27 +169,40 @@ def host_rows():
         return cm.moe_experts(h, i, w, w1, w2)
 
     def opaque(h, i, w):
-        offs, row_of, source = torch.ops.compiled_moe.moe_route(i, experts, 1)
+        offs, row_of, source = op["route"](i, experts)
         x = op["permute"](h, row_of, source)
         y = op["linear"](op["act"](op["linear"](x, w1, offs)), w2, offs)
         return op["unpermute"](y, row_of, source, w)
 
-    rows = []
     modes = {"default": {}, "reduce-overhead": dict(mode="reduce-overhead"),
              "cpp_wrapper": dict(options={"cpp_wrapper": True})}
     def floor(h, i, w):  # what torch.compile's entry costs with next to no work
         return h + 1
 
-    blocks = (("compiled_moe ops (triton_op)", ours), ("opaque custom_ops", opaque),
-              ("floor: compiled h + 1", floor))
-    for name, fn in blocks:
+    # "route by NVRTC": the same block compiled while moe_route's one-program kernel is off
+    # (ops.routing.ROUTE_ONE_PROGRAM_PAIRS = 0), so the graph calls the opaque route op.
+    blocks = (("compiled_moe ops (triton_op)", ours, None),
+              ("  the same, route by NVRTC", ours, 0),
+              ("opaque custom_ops", opaque, None),
+              ("floor: compiled h + 1", floor, None))
+    limit = routing_ops.ROUTE_ONE_PROGRAM_PAIRS
+    compiled = {}
+    for name, fn, route_limit in blocks:
         for mode, kwargs in modes.items():
-            torch._dynamo.reset()
-            compiled = torch.compile(fn, fullgraph=True, **kwargs)
-            with torch.no_grad():
-                us = host_us(lambda: compiled(hidden, ids, weights))
-            rows.append(dict(block=name, mode=mode, host_us=us))
-    return rows
+            c = torch.compile(own_code(fn, f"{len(compiled)}"), fullgraph=True, **kwargs)
+            routing_ops.ROUTE_ONE_PROGRAM_PAIRS = limit if route_limit is None else route_limit
+            try:
+                # Compiled afresh: inductor's caches key on the graph, not on the route choice.
+                with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False), \
+                        torch._functorch.config.patch(enable_autograd_cache=False):
+                    c(hidden, ids, weights)  # compiles
+            finally:
+                routing_ops.ROUTE_ONE_PROGRAM_PAIRS = limit
+            compiled[(name, mode)] = functools.partial(c, hidden, ids, weights)
+    with torch.no_grad():
+        times = interleaved_us(compiled)
+    return [dict(block=name, mode=mode, host_us=t[0], host_us_min=t[1], host_us_max=t[2])
+            for (name, mode), t in times.items()]
 
 
 def main():
@@ -202,9 +226,11 @@ def main():
     for r in rows:
         print(f"{r['model']:22s} {r['tokens']:5d} {r['pass_']:8s} {r['plain_ms']:13.3f} "
               f"{r['pass_ms']:20.3f} {r['plain_ms'] / r['pass_ms']:7.2f}x {r['max_abs_diff']:9.3g}")
-    print(f"\n{'compiled experts block, forward':34s} {'mode':16s} {'host us/call':>12s}")
+    print(f"\n{'compiled experts block, forward':34s} {'mode':16s} {'host us/call':>12s}  "
+          f"(median of 15 interleaved rounds of 100 calls; min-max)")
     for r in host:
-        print(f"{r['block']:34s} {r['mode']:16s} {r['host_us']:12.1f}")
+        print(f"{r['block']:34s} {r['mode']:16s} {r['host_us']:12.1f}  "
+              f"({r['host_us_min']:.1f}-{r['host_us_max']:.1f})")
     if args.json:
         write_json(args.json, dict(environment=env, hf=rows, host=host))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import types
 from typing import Optional
 
 import torch
@@ -31,6 +32,29 @@ def host_us(fn, calls=300):
     return t
 
 
+def interleaved_us(fns: dict, rounds=15, calls=100) -> dict:
+    """Host us per call of each function: (median, min, max) over interleaved rounds, so drifts
+    of the host (tens of percent between processes and over minutes) hit every variant alike.
+
+    Short rounds: where the GPU takes longer per call than the host, a long loop fills the
+    driver's queue of pending launches and then runs at the GPU's pace (a compiled block of 4
+    launches read 81 us per call in rounds of 1000 calls whatever its route, the route alone 48
+    against 119 us)."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(host_us(fn, calls))
+    return {name: (statistics.median(t), min(t), max(t)) for name, t in times.items()}
+
+
+def own_code(fn, tag: str):
+    """A copy of fn with its own code object. Dynamo keeps compiled code per code object, so
+    variants compiled from copies keep their graphs side by side without torch._dynamo.reset()
+    (which drops every compiled graph: the next call would recompile)."""
+    return types.FunctionType(fn.__code__.replace(co_name=f"{fn.__name__}_{tag}"), fn.__globals__,
+                              fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 def main():
     x = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(8, 256, 128, device="cuda", dtype=torch.bfloat16)
@@ -47,7 +71,7 @@ def main():
     registration_rows(x, w, offs)
 
 
-def registration_rows(x, w, offs, rounds=5):
+def registration_rows(x, w, offs, rounds=15):
     """The bodies of two kernel_ops (the route, the Hopper grouped GEMM) registered again as
     custom_ops: what the custom_op wrapper (autograd layer, aliasing check, dynamo's disable)
     adds per call. Medians over interleaved rounds, so drifts of the host hit both sides."""
@@ -74,14 +98,9 @@ def registration_rows(x, w, offs, rounds=5):
         "grouped_mm_sm90 as kernel_op (ours)": lambda: torch.ops.compiled_moe.grouped_mm_sm90(x, w.mT, offs),
         "grouped_mm_sm90 body, plain call": lambda: mm_body(x, w.mT, offs),
     }
-    times = {name: [] for name in rows}
-    for _ in range(rounds):
-        for name, fn in rows.items():
-            times[name].append(host_us(fn, 2000))
     print(f"\nregistration of the opaque CUDA ops, median of {rounds} interleaved rounds:")
-    for name, t in times.items():
-        print(f"{name:38s} {statistics.median(t):7.1f} us/call (host)  "
-              f"(min {min(t):.1f}, max {max(t):.1f})")
+    for name, (median, lo, hi) in interleaved_us(rows, rounds).items():
+        print(f"{name:38s} {median:7.1f} us/call (host)  (min {lo:.1f}, max {hi:.1f})")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,10 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 ROUTE_SHAPES = [  # tokens, top_k, experts, pad_multiple, id range
-    (0, 8, 128, 1, (0, 128)),
+    (0, 8, 128, 1, (0, 128)),         # one-program route (at most ROUTE_ONE_PROGRAM_PAIRS pairs)
     (1, 8, 128, 1, (0, 128)),
+    (64, 8, 256, 128, (-1, 260)),     # one program: dropped pairs, padding
+    (100, 5, 4096, 4, (0, 4096)),     # one program, the most experts
     (8192, 8, 128, 1, (0, 128)),      # Qwen3-30B-A3B, T = 8192
     (4096, 8, 256, 128, (0, 256)),    # DeepSeek-V3 router, padded to 128 (FP8 blockwise)
     (4096, 2, 8, 1, (0, 8)),          # Mixtral
@@ -51,6 +53,26 @@ def test_route_kernel_matches_reference(shape, dtype):
     if tokens * k <= 4096:
         for name, g, w in zip(("offs", "row_of", "source"), got, loop_route(ids, experts, pad)):
             assert torch.equal(g.cpu(), w), name
+
+
+@pytest.mark.parametrize("tokens", [64, 4096])
+@pytest.mark.parametrize("options", [{}, {"cpp_wrapper": True}])
+def test_route_compiled(tokens, options):
+    """A static-shape graph launches the one-program route itself when it is small (no call
+    back into the opaque op) and keeps the op otherwise; both give eager's layout."""
+    from torch._inductor.utils import run_and_get_code
+
+    from compiled_moe.kernels.configs import ROUTE_ONE_PROGRAM_PAIRS
+
+    ids = _skewed_ids(tokens, 8, (-1, 130), seed=tokens).to(DEV)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda i: torch.ops.compiled_moe.moe_route(i, 128, 4),
+                             fullgraph=True, options=options)
+    got, code = run_and_get_code(compiled, ids)
+    one_program = tokens * 8 <= ROUTE_ONE_PROGRAM_PAIRS
+    assert ("_route_one_program_kernel" in "".join(code)) == one_program
+    for name, g, w in zip(("offs", "row_of", "source"), got, reference.moe_route(ids.cpu(), 128, 4)):
+        assert torch.equal(g.cpu(), w), name
 
 
 def test_route_kernel_is_deterministic():

@@ -386,6 +386,39 @@ class _MoEBlock(torch.nn.Module):
         return x + self.experts(x, ids, weights)
 
 
+def test_kernel_op_traced_body():
+    """KernelOp.register_traced (what lets compiled graphs launch the small route's Triton
+    kernel themselves): eager calls run the kernel; a compiled graph runs the traced body, or
+    keeps the op where that returns NotImplemented; torch.export keeps the op. The traced body
+    here computes something else than the kernel, so each test tells which one ran."""
+    from compiled_moe.ops._dispatch import kernel_op
+
+    @kernel_op("test_only_traced_double", device_types=("cpu",))
+    def double(x: torch.Tensor, traced_differs: bool) -> torch.Tensor:
+        return x * 2
+
+    double.register_fake(lambda x, traced_differs: torch.empty_like(x))
+
+    @double.register_traced
+    def _(x, traced_differs):
+        return x * 2 + 1 if traced_differs else NotImplemented
+
+    op = torch.ops.compiled_moe.test_only_traced_double
+    x = torch.arange(4.0)
+    assert torch.equal(op(x, True), x * 2)
+    compiled = torch.compile(lambda x, t: op(x, t), backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x, True), x * 2 + 1)
+    assert torch.equal(compiled(x, False), x * 2)
+
+    class Block(torch.nn.Module):
+        def forward(self, x):
+            return op(x, True)
+
+    ep = torch.export.export(Block(), (x,))
+    assert any("test_only_traced_double" in str(n.target) for n in ep.graph.nodes)
+    assert torch.equal(ep.module()(x), x * 2)
+
+
 def test_export_and_aot_inductor_package(tmp_path):
     """The block exported with a dynamic token count, packaged by AOTInductor, loaded and run at
     two token counts: the same as eager. (The GPU tier's version skips where the torch build

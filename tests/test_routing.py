@@ -46,6 +46,27 @@ def test_route_matches_loop(case, dtype):
         assert torch.equal(g, w), name
 
 
+@pytest.mark.parametrize("case", [c for c in ROUTE_CASES if c[0] * c[1] <= 512] + [
+    (5, 3, 4096, 4, (0, 4096)),        # the most experts supported
+    (64, 8, 64, 16, (-1, 70)),         # ROUTE_ONE_PROGRAM_PAIRS pairs, dropped and padded
+])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_route_one_program_interpreter(case, dtype):
+    """The one-program Triton route (what small routings run on the GPU) against the loop."""
+    from compiled_moe.kernels.configs import ROUTE_ONE_PROGRAM_PAIRS
+
+    tokens, k, experts, pad, lo_hi = case
+    assert tokens * k <= ROUTE_ONE_PROGRAM_PAIRS
+    ids = _ids(tokens, k, lo_hi, dtype, seed=tokens)
+    if dtype == torch.int64 and tokens:
+        ids[0, 0] = 2**32 + 1  # in range once cast to int32: must still be dropped
+    with kernels_on_cpu():
+        got = route(ids, experts, pad)
+    for name, g, w in zip(("offs", "row_of", "source"), got, loop_route(ids, experts, pad)):
+        assert g.dtype == torch.int32, name
+        assert torch.equal(g, w), name
+
+
 def test_route_layout_is_consistent():
     """source and row_of are inverse maps, and each sorted row lies in its expert's group."""
     ids = _ids(300, 6, (0, 20))

@@ -167,6 +167,29 @@ def grouped_sum_config(n: int, device_type: str) -> TileConfig:
     return TileConfig(block_m=64, block_n=128, block_k=1, num_warps=4, num_stages=1)
 
 
+# moe_route runs as one Triton program (kernels.routing.route_one_program) up to this many
+# (token, slot) pairs and with a token count known when the graph is built; larger or symbolic
+# routings run the two NVRTC kernels of csrc/moe_route.cu. GPU time on the H200 (CUDA-graph
+# replay), one program against the NVRTC kernels, 8-256 experts: 1.3-1.7 / 5.5-5.8 us at 16
+# pairs, 3.7-4.1 / 5.8-6.5 us at 512, 8.9-9.7 / 6.3-7.6 us at 1024 (the sort grows as
+# n log^2 n on one SM), 67-70 / 6.6-8.2 us at 4096.
+ROUTE_ONE_PROGRAM_PAIRS = 512
+
+
+@functools.lru_cache(maxsize=None)
+def route_one_program_config(pairs: int, num_experts: int, device_type: str) -> TileConfig:
+    """One-program route: BLOCK_M = the sort's length (pairs, a power of two), BLOCK_N = the
+    histogram's bins (experts, a power of two). Both must cover the whole problem, in the
+    interpreter too."""
+    block_pairs = max(16, 1 << (max(pairs, 1) - 1).bit_length())
+    block_experts = max(16, 1 << (num_experts - 1).bit_length())
+    warps = 4 if block_pairs <= 1024 else 8
+    cfg = TileConfig(block_m=block_pairs, block_n=block_experts, block_k=1, num_warps=warps,
+                     num_stages=1)
+    _log("route_one_program", (pairs, num_experts, device_type), cfg)
+    return cfg
+
+
 @functools.lru_cache(maxsize=None)
 def row_copy_config(h: int, device_type: str) -> TileConfig:
     """Row gather/combine (moe_permute, moe_unpermute): BLOCK_N columns of a row per step."""

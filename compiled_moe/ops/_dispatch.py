@@ -80,6 +80,29 @@ class KernelOp:
         torch.library.register_fake(self.qualname, fake, lib=_LIBRARY)
         return fake
 
+    def register_traced(self, traced):
+        """What torch.compile's graph holds instead of the opaque op: ``traced`` runs under
+        AOTAutograd's functional trace, as a triton_op's body does, so inductor sees the Triton
+        kernels it launches (and launches them itself, from C++ under cpp_wrapper). Eager
+        calls keep the plain kernel, without triton_op's custom_op wrapper. ``traced`` returns
+        NotImplemented to keep the opaque op; torch.export always keeps it, as for triton_ops.
+        """
+        from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+        def rule(mode, op, types, args, kwargs):
+            from torch.export._trace import custom_triton_ops_decomposition_disabled
+
+            if not custom_triton_ops_decomposition_disabled():
+                with mode:
+                    out = traced(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+
+        torch.library.register_torch_dispatch(self.qualname, FunctionalTensorMode, rule,
+                                              lib=_LIBRARY)
+        return traced
+
 
 def kernel_op(name: str, *, device_types=("cuda",)):
     """Register the decorated function as ``torch.ops.compiled_moe.<name>``, an op without

@@ -4,8 +4,9 @@ torch.ops.compiled_moe.moe_route      topk_ids -> (offs, row_of, source): the ex
 torch.ops.compiled_moe.moe_permute    x[r] = hidden[source[r] // k]            (gather)
 torch.ops.compiled_moe.moe_unpermute  out[t] = sum_s w[t, s] * y[row_of[t, s]]  (combine)
 
-moe_route is an opaque op (``kernel_op``: no autograd, integer outputs) whose CUDA path is the
-NVRTC kernel of csrc/moe_route.cu; the other two are ``triton_op``s. On CPU every op runs its
+moe_route is an opaque op (``kernel_op``: no autograd, integer outputs). Small routings run one
+Triton program, which compiled graphs launch themselves (``register_traced``); larger ones the
+NVRTC kernels of csrc/moe_route.cu. The other two are ``triton_op``s. On CPU every op runs its
 reference (compiled_moe.reference).
 """
 
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor
 
 from compiled_moe import reference
+from compiled_moe.kernels.configs import ROUTE_ONE_PROGRAM_PAIRS
 from compiled_moe.ops._dispatch import (
     check_same_device,
     check_tensor,
@@ -63,6 +65,8 @@ def _route_outputs(topk_ids, num_experts, pad_multiple):
 def _moe_route(topk_ids: Tensor, num_experts: int, pad_multiple: int = 1
                ) -> tuple[Tensor, Tensor, Tensor]:
     _check_route(topk_ids, num_experts, pad_multiple)
+    if _one_program(topk_ids, num_experts) and use_kernel(topk_ids):
+        return _route_one_program(topk_ids, num_experts, pad_multiple, traced=False)
     from compiled_moe import native
 
     if topk_ids.device.type != "cuda" or not native.available():
@@ -76,6 +80,31 @@ def _moe_route(topk_ids: Tensor, num_experts: int, pad_multiple: int = 1
 def _(topk_ids, num_experts, pad_multiple=1):
     _check_route(topk_ids, num_experts, pad_multiple)
     return _route_outputs(topk_ids, num_experts, pad_multiple)
+
+
+@_moe_route.register_traced
+def _(topk_ids, num_experts, pad_multiple=1):
+    # A compiled graph launches the one-program route itself: a Triton launch from inductor's
+    # wrapper (from C++ under cpp_wrapper) instead of a call back into Python.
+    if topk_ids.device.type == "cuda" and _one_program(topk_ids, num_experts):
+        _check_route(topk_ids, num_experts, pad_multiple)
+        return _route_one_program(topk_ids, num_experts, pad_multiple, traced=True)
+    return NotImplemented
+
+
+def _one_program(topk_ids: Tensor, num_experts) -> bool:
+    """Few pairs, and sizes known when a graph is built (eager calls, static-shape graphs:
+    the decode steps whose host time matters most)."""
+    pairs = topk_ids.numel()
+    return (isinstance(pairs, int) and isinstance(num_experts, int)
+            and pairs <= ROUTE_ONE_PROGRAM_PAIRS)
+
+
+def _route_one_program(topk_ids, num_experts, pad_multiple, traced):
+    offs, row_of, source = _route_outputs(topk_ids, num_experts, pad_multiple)
+    _kernels().route_one_program(topk_ids, num_experts, pad_multiple, offs, row_of, source,
+                                 traced=traced)
+    return offs, row_of, source
 
 
 def _route_cuda(ids: Tensor, num_experts: int, pad_multiple: int, offs: Tensor, row_of: Tensor,
