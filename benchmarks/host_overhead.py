@@ -36,10 +36,8 @@ def interleaved_us(fns: dict, rounds=15, calls=100) -> dict:
     """Host us per call of each function: (median, min, max) over interleaved rounds, so drifts
     of the host (tens of percent between processes and over minutes) hit every variant alike.
 
-    Short rounds: where the GPU takes longer per call than the host, a long loop fills the
-    driver's queue of pending launches and then runs at the GPU's pace (a compiled block of 4
-    launches read 81 us per call in rounds of 1000 calls whatever its route, the route alone 48
-    against 119 us)."""
+    Short rounds: a variant whose GPU time exceeded its host time could otherwise fill the
+    driver's queue of pending launches and run at the GPU's pace, timing the GPU instead."""
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():

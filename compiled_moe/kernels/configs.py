@@ -169,10 +169,11 @@ def grouped_sum_config(n: int, device_type: str) -> TileConfig:
 
 # moe_route runs as one Triton program (kernels.routing.route_one_program) up to this many
 # (token, slot) pairs and with a token count known when the graph is built; larger or symbolic
-# routings run the two NVRTC kernels of csrc/moe_route.cu. GPU time on the H200 (CUDA-graph
-# replay), one program against the NVRTC kernels, 8-256 experts: 1.3-1.7 / 5.5-5.8 us at 16
-# pairs, 3.7-4.1 / 5.8-6.5 us at 512, 8.9-9.7 / 6.3-7.6 us at 1024 (the sort grows as
-# n log^2 n on one SM), 67-70 / 6.6-8.2 us at 4096.
+# routings run the two NVRTC kernels of csrc/moe_route.cu. GPU time on the H200, one program
+# against the NVRTC kernels, 8-256 experts (`python benchmarks/bench_experts.py
+# --small-routes`): 4.8-5.5 / 8.8-9.8 us at 16 pairs, 7.5-7.8 / 9.7-10.3 us at 512, 13.2-13.9 /
+# 10.1-11.6 us at 1024 (4 warps; 8 warps gave 9.9-10.4 in a sweep), 72-77 / 10-12 us at 4096
+# (the sort grows as n log^2 n on one SM).
 ROUTE_ONE_PROGRAM_PAIRS = 512
 
 
