@@ -40,6 +40,7 @@ from common import MODELS  # noqa: E402
 
 from compiled_moe.kernels import (activations, grouped_mm, moe_mlp, quantize,  # noqa: E402
                                   routing, scaled_grouped_mm)
+from compiled_moe.kernels.configs import ROUTE_ONE_PROGRAM_PAIRS  # noqa: E402
 from compiled_moe.ops import fp8 as fp8_ops  # noqa: E402
 from compiled_moe.reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT  # noqa: E402
 
@@ -157,6 +158,12 @@ def _launch_all(model) -> None:
     moe_mlp.mlp_fc1(x, None, 1, w1, offs, None, None, h, a, "swiglu", "stacked", *constants)
     activations.activation_forward(h, a, "swiglu", "stacked", *constants)
     activations.activation_backward(a, h, torch.empty_like(h), "swiglu", "stacked", *constants)
+    # The one-program route at its largest size, for the model's experts.
+    pairs = ROUTE_ONE_PROGRAM_PAIRS
+    routing.route_one_program(
+        torch.empty(pairs // model.top_k, model.top_k, device=cuda, dtype=torch.int64), E, 1,
+        offs, torch.empty(pairs // model.top_k, model.top_k, device=cuda, dtype=torch.int32),
+        torch.empty(pairs, device=cuda, dtype=torch.int32), traced=True)
     source = torch.empty(M, device=cuda, dtype=torch.int32)
     routing.gather_rows(x, source, model.top_k, torch.empty_like(x))
     routing.combine_rows(x, torch.empty(model.tokens, model.top_k, device=cuda,

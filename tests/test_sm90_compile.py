@@ -24,6 +24,7 @@ def test_kernels_compile_for_sm90(model):
                          cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
     for kernel in ("_grouped_mm_kernel", "_grouped_mm_wgrad_kernel", "_mlp_fc1_kernel",
-                   "_scaled_grouped_mm_kernel", "_quantize_group_columns_kernel"):
+                   "_scaled_grouped_mm_kernel", "_quantize_group_columns_kernel",
+                   "_route_one_program_kernel"):
         assert kernel in run.stdout, run.stdout
     assert ", 0 failing" in run.stdout
