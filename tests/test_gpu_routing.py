@@ -18,6 +18,8 @@ ROUTE_SHAPES = [  # tokens, top_k, experts, pad_multiple, id range
     (1, 8, 128, 1, (0, 128)),
     (64, 8, 256, 128, (-1, 260)),     # one program: dropped pairs, padding
     (100, 5, 4096, 4, (0, 4096)),     # one program, the most experts
+    (128, 8, 128, 1, (-1, 130)),      # one program at its limit (1024 pairs), dropped pairs
+    (129, 8, 128, 16, (-1, 130)),     # just past it: the NVRTC kernels
     (8192, 8, 128, 1, (0, 128)),      # Qwen3-30B-A3B, T = 8192
     (4096, 8, 256, 128, (0, 256)),    # DeepSeek-V3 router, padded to 128 (FP8 blockwise)
     (4096, 2, 8, 1, (0, 8)),          # Mixtral
@@ -55,7 +57,7 @@ def test_route_kernel_matches_reference(shape, dtype):
             assert torch.equal(g.cpu(), w), name
 
 
-@pytest.mark.parametrize("tokens", [64, 4096])
+@pytest.mark.parametrize("tokens", [64, 128, 4096])
 @pytest.mark.parametrize("options", [{}, {"cpp_wrapper": True}])
 def test_route_compiled(tokens, options):
     """A static-shape graph launches the one-program route itself when it is small (no call

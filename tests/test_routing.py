@@ -48,7 +48,8 @@ def test_route_matches_loop(case, dtype):
 
 @pytest.mark.parametrize("case", [c for c in ROUTE_CASES if c[0] * c[1] <= 512] + [
     (5, 3, 4096, 4, (0, 4096)),        # the most experts supported
-    (64, 8, 64, 16, (-1, 70)),         # ROUTE_ONE_PROGRAM_PAIRS pairs, dropped and padded
+    (64, 8, 64, 16, (-1, 70)),         # 512 pairs, dropped and padded
+    (128, 8, 256, 128, (-1, 260)),     # ROUTE_ONE_PROGRAM_PAIRS pairs, dropped and padded
 ])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_route_one_program_interpreter(case, dtype):

@@ -171,10 +171,11 @@ def grouped_sum_config(n: int, device_type: str) -> TileConfig:
 # (token, slot) pairs and with a token count known when the graph is built; larger or symbolic
 # routings run the two NVRTC kernels of csrc/moe_route.cu. GPU time on the H200, one program
 # against the NVRTC kernels, 8-256 experts (`python benchmarks/bench_experts.py
-# --small-routes`): 4.8-5.5 / 8.8-9.8 us at 16 pairs, 7.5-7.8 / 9.7-10.3 us at 512, 13.2-13.9 /
-# 10.1-11.6 us at 1024 (4 warps; 8 warps gave 9.9-10.4 in a sweep), 72-77 / 10-12 us at 4096
-# (the sort grows as n log^2 n on one SM).
-ROUTE_ONE_PROGRAM_PAIRS = 512
+# --small-routes`, 4 warps): 4.8-5.5 / 8.8-9.8 us at 16 pairs, 7.5-7.8 / 9.7-10.3 us at 512,
+# 13.2-13.9 / 10.1-11.6 us at 1024, 72-77 / 10-12 us at 4096 (the sort grows as n log^2 n on
+# one SM). With 8 warps (a sweep of 4-32 warps, same process): 6.8-7.8 us at 512 pairs,
+# 10.0-10.8 at 1024 against 10.2-11.4 for the NVRTC kernels, 22-24 at 2048 against 10.4-12.2.
+ROUTE_ONE_PROGRAM_PAIRS = 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -184,7 +185,7 @@ def route_one_program_config(pairs: int, num_experts: int, device_type: str) -> 
     interpreter too."""
     block_pairs = max(16, 1 << (max(pairs, 1) - 1).bit_length())
     block_experts = max(16, 1 << (num_experts - 1).bit_length())
-    warps = 4 if block_pairs <= 1024 else 8
+    warps = 4 if block_pairs < 512 else 8  # see ROUTE_ONE_PROGRAM_PAIRS
     cfg = TileConfig(block_m=block_pairs, block_n=block_experts, block_k=1, num_warps=warps,
                      num_stages=1)
     _log("route_one_program", (pairs, num_experts, device_type), cfg)
