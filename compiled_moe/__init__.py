@@ -106,7 +106,10 @@ def grouped_sum(x: Tensor, offs: Tensor, *, out_dtype: torch.dtype | None = None
 
 def moe_route(topk_ids: Tensor, num_experts: int, *, pad_multiple: int = 1
               ) -> tuple[Tensor, Tensor, Tensor]:
-    """Expert-sorted layout of routed tokens, computed on the device in two kernel launches.
+    """Expert-sorted layout of routed tokens, computed on the device with no host sync.
+
+    One Triton program up to ``kernels.configs.ROUTE_ONE_PROGRAM_PAIRS`` (1024) (token, slot)
+    pairs, two NVRTC kernels above.
 
     Args:
         topk_ids: (T, k) int32/int64 expert ids; ids outside [0, num_experts) are dropped
