@@ -7,6 +7,7 @@ import torch
 
 import compiled_moe as cm
 from compiled_moe import reference
+from compiled_moe.kernels.configs import ROUTE_ONE_PROGRAM_PAIRS
 from compiled_moe.ops._dispatch import kernels_on_cpu
 from helpers import (assert_matches_oracle, assert_one_dynamic_compile, loop_moe_experts,
                      loop_route)
@@ -46,7 +47,8 @@ def test_route_matches_loop(case, dtype):
         assert torch.equal(g, w), name
 
 
-@pytest.mark.parametrize("case", [c for c in ROUTE_CASES if c[0] * c[1] <= 512] + [
+@pytest.mark.parametrize("case", [
+    c for c in ROUTE_CASES if c[0] * c[1] <= ROUTE_ONE_PROGRAM_PAIRS] + [
     (5, 3, 4096, 4, (0, 4096)),        # the most experts supported
     (64, 8, 64, 16, (-1, 70)),         # 512 pairs, dropped and padded
     (128, 8, 256, 128, (-1, 260)),     # ROUTE_ONE_PROGRAM_PAIRS pairs, dropped and padded
@@ -54,8 +56,6 @@ def test_route_matches_loop(case, dtype):
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_route_one_program_interpreter(case, dtype):
     """The one-program Triton route (what small routings run on the GPU) against the loop."""
-    from compiled_moe.kernels.configs import ROUTE_ONE_PROGRAM_PAIRS
-
     tokens, k, experts, pad, lo_hi = case
     assert tokens * k <= ROUTE_ONE_PROGRAM_PAIRS
     ids = _ids(tokens, k, lo_hi, dtype, seed=tokens)
