@@ -38,15 +38,21 @@ def _max_combine(x, y):
     return tl.maximum(x, y)
 
 
+# Every kernel reads offs in its own body (offs[g] and offs[g - 1] for g < G_PAD, as
+# `ends, prev = tl.load(...)`) and hands the values to the helpers below, never offs_ptr
+# itself. torch's mutation analysis of a traced Triton kernel counts every argument of a helper
+# call whose results reach a store's address as written; with offs_ptr among them, a compiled
+# graph copied offs before each launch whenever offs was used afterwards (one more kernel, and
+# under torch 2.11's cpp_wrapper that copy broke the backward's compilation).
+
+
 @triton.jit
-def _group_bounds(offs_ptr, G, M, G_PAD: tl.constexpr):
-    """Vectors (G_PAD,) of each group's first row and end row; padding groups are empty."""
-    g = tl.arange(0, G_PAD)
-    ends = tl.load(offs_ptr + g, mask=g < G, other=0)
+def _group_bounds(ends, prev, M):
+    """Each group's first row and end row from offs[g] (ends) and offs[g - 1] (prev), loaded
+    as (G_PAD,) vectors with 0 past the groups: padding groups are empty."""
     ends = tl.associative_scan(tl.minimum(tl.maximum(ends, 0), M), 0, _max_combine)
-    prev = tl.load(offs_ptr + g - 1, mask=(g >= 1) & (g <= G), other=0)
     starts = tl.associative_scan(tl.minimum(tl.maximum(prev, 0), M), 0, _max_combine)
-    return g, starts, ends
+    return starts, ends
 
 
 @triton.jit
@@ -56,17 +62,16 @@ def _pick(g_vec, g, values):
 
 
 @triton.jit
-def _row_tile_schedule(offs_ptr, G, M, N, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+def _row_tile_schedule(ends, prev, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The flat tile list of a grouped product over row groups: every group's (m, n) tiles in
     group order. Returns what :func:`_row_tile` needs, plus the number of tiles and the first
-    row past the last group."""
-    g_vec, starts, ends = _group_bounds(offs_ptr, G, M, G_PAD)
+    row past the last group. ends, prev: offs[g] and offs[g - 1] (see _group_bounds)."""
+    starts, ends = _group_bounds(ends, prev, M)
     m_tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
     num_n = tl.cdiv(N, BLOCK_N)
     tiles = m_tiles * num_n
     tile_ends = tl.cumsum(tiles, 0)
-    return g_vec, starts, ends, m_tiles, tiles, tile_ends, num_n, tl.sum(tiles, 0), tl.max(ends, 0)
+    return starts, ends, m_tiles, tiles, tile_ends, num_n, tl.sum(tiles, 0), tl.max(ends, 0)
 
 
 @triton.jit
@@ -119,8 +124,11 @@ def _grouped_mm_kernel(
     SMs whatever the group sizes (skewed routing costs only the one partial M tile per group).
     """
     pid = tl.program_id(0)
-    g_vec, starts, ends, m_tiles, tiles, tile_ends, num_n, group_tiles, rows_end = \
-        _row_tile_schedule(offs_ptr, G, M, N, G_PAD, BLOCK_M, BLOCK_N)
+    g_vec = tl.arange(0, G_PAD)
+    ends = tl.load(offs_ptr + g_vec, mask=g_vec < G, other=0)
+    prev = tl.load(offs_ptr + g_vec - 1, mask=(g_vec >= 1) & (g_vec <= G), other=0)
+    starts, ends, m_tiles, tiles, tile_ends, num_n, group_tiles, rows_end = \
+        _row_tile_schedule(ends, prev, M, N, BLOCK_M, BLOCK_N)
     tail_tiles = tl.cdiv(M - rows_end, BLOCK_M) * num_n
 
     if USE_TMA:
@@ -217,7 +225,10 @@ def _grouped_mm_wgrad_kernel(
     tiles running together read the same rows of a and d from L2.
     """
     pid = tl.program_id(0)
-    g_vec, starts, ends = _group_bounds(offs_ptr, G, M, G_PAD)
+    g_vec = tl.arange(0, G_PAD)
+    ends = tl.load(offs_ptr + g_vec, mask=g_vec < G, other=0)
+    prev = tl.load(offs_ptr + g_vec - 1, mask=(g_vec >= 1) & (g_vec <= G), other=0)
+    starts, ends = _group_bounds(ends, prev, M)
     num_k = tl.cdiv(K, BLOCK_K)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = num_k * num_n
@@ -299,7 +310,10 @@ def _grouped_sum_kernel(
     """out[g, n] = sum of x[r, n] over the rows r of group g; fp32 accumulation, fixed order."""
     g = tl.program_id(0)
     pid_n = tl.program_id(1)
-    g_vec, starts, ends = _group_bounds(offs_ptr, G, M, G_PAD)
+    g_vec = tl.arange(0, G_PAD)
+    ends = tl.load(offs_ptr + g_vec, mask=g_vec < G, other=0)
+    prev = tl.load(offs_ptr + g_vec - 1, mask=(g_vec >= 1) & (g_vec <= G), other=0)
+    starts, ends = _group_bounds(ends, prev, M)
     m_start = _pick(g_vec, g, starts)
     m_end = _pick(g_vec, g, ends)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

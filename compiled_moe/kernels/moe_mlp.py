@@ -109,8 +109,11 @@ def _mlp_fc1_kernel(
     """
     pid = tl.program_id(0)
     N1 = 2 * I if GATED else I
-    g_vec, starts, ends, m_tiles, tiles, tile_ends, num_n, group_tiles, rows_end = \
-        _row_tile_schedule(offs_ptr, G, M, I, G_PAD, BLOCK_M, BLOCK_N)
+    g_vec = tl.arange(0, G_PAD)
+    ends = tl.load(offs_ptr + g_vec, mask=g_vec < G, other=0)
+    prev = tl.load(offs_ptr + g_vec - 1, mask=(g_vec >= 1) & (g_vec <= G), other=0)
+    starts, ends, m_tiles, tiles, tile_ends, num_n, group_tiles, rows_end = \
+        _row_tile_schedule(ends, prev, M, I, BLOCK_M, BLOCK_N)
     x_desc = x_ptr  # placeholders where TMA is off: the helpers then use the pointers
     w_desc = w_ptr
     if TMA_X:

@@ -280,14 +280,14 @@ def _quantize_tiles_kernel(
 
 
 @triton.jit
-def _column_groups(offs_ptr, M, G, BLOCK_ROWS: tl.constexpr, G_PAD: tl.constexpr):
+def _column_groups(ends, prev, M, G, BLOCK_ROWS: tl.constexpr, G_PAD: tl.constexpr):
     """Groups 0..G-1 and the rows past the last group as group G: their first row, end row and
-    first columnwise slot (blocks of BLOCK_ROWS rows; BLOCK_ROWS 0: one slot per group)."""
+    first columnwise slot (blocks of BLOCK_ROWS rows; BLOCK_ROWS 0: one slot per group).
+    ends, prev: offs[g] and offs[g - 1], loaded in the kernel's body (grouped_mm._group_bounds
+    says why)."""
     g = tl.arange(0, G_PAD)
-    ends = tl.load(offs_ptr + g, mask=g < G, other=0)
     ends = tl.associative_scan(tl.minimum(tl.maximum(ends, 0), M), 0, _max_combine)
     ends = tl.where(g >= G, M, ends)
-    prev = tl.load(offs_ptr + g - 1, mask=(g >= 1) & (g <= G), other=0)
     starts = tl.associative_scan(tl.minimum(tl.maximum(prev, 0), M), 0, _max_combine)
     starts = tl.where(g > G, M, starts)
     if BLOCK_ROWS == 0:
@@ -298,10 +298,10 @@ def _column_groups(offs_ptr, M, G, BLOCK_ROWS: tl.constexpr, G_PAD: tl.constexpr
 
 
 @triton.jit
-def _slot_rows(offs_ptr, M, G, slot, BLOCK_ROWS: tl.constexpr, G_PAD: tl.constexpr):
+def _slot_rows(ends, prev, M, G, slot, BLOCK_ROWS: tl.constexpr, G_PAD: tl.constexpr):
     """(used slots, first row, end row) of columnwise slot `slot` (rows 0, 0 if unused): the
     group holding the slot is the one whose slots cover it, so no group index is needed."""
-    _, starts, ends, first, blocks = _column_groups(offs_ptr, M, G, BLOCK_ROWS, G_PAD)
+    _, starts, ends, first, blocks = _column_groups(ends, prev, M, G, BLOCK_ROWS, G_PAD)
     mine = (first <= slot) & (slot < first + blocks)
     row0 = tl.sum(tl.where(mine, starts + (slot - first) * BLOCK_ROWS, 0), 0)
     return tl.sum(blocks, 0), row0, tl.sum(tl.where(mine, ends, 0), 0)
@@ -356,7 +356,10 @@ def _quantize_group_columns_kernel(
     slot = pid // num_k
     col0 = (pid % num_k) * BLOCK_K
     rk = col0 + tl.arange(0, BLOCK_K)
-    used, row0, row_end = _slot_rows(offs_ptr, M, G, slot, BLOCK_ROWS, G_PAD)
+    g_vec = tl.arange(0, G_PAD)
+    ends = tl.load(offs_ptr + g_vec, mask=g_vec < G, other=0)
+    prev = tl.load(offs_ptr + g_vec - 1, mask=(g_vec >= 1) & (g_vec <= G), other=0)
+    used, row0, row_end = _slot_rows(ends, prev, M, G, slot, BLOCK_ROWS, G_PAD)
     if slot >= used:
         unused = scale_from_amax(tl.zeros((BLOCK_K,), dtype=tl.float32), E8M0)
         tl.store(cs_ptr + rk * stride_csk + slot * stride_css, unused, mask=rk < K)
@@ -423,7 +426,10 @@ def _quantize_group_columns_whole_kernel(
     the last group; a pass over the group's rows for the amax, a pass to quantize."""
     g = tl.program_id(0)
     rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    g_vec, starts, ends, _, _ = _column_groups(offs_ptr, M, G, 0, G_PAD)
+    g_vec = tl.arange(0, G_PAD)
+    ends = tl.load(offs_ptr + g_vec, mask=g_vec < G, other=0)
+    prev = tl.load(offs_ptr + g_vec - 1, mask=(g_vec >= 1) & (g_vec <= G), other=0)
+    _, starts, ends, _, _ = _column_groups(ends, prev, M, G, 0, G_PAD)
     m_start = _pick(g_vec, g, starts)
     m_end = _pick(g_vec, g, ends)
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)

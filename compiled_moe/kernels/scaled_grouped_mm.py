@@ -66,8 +66,11 @@ def _scaled_grouped_mm_kernel(
     """out[r] = a[r] @ b[g] for rows r of group g, a (M, K) and b (G, K, N) both K-major;
     rows past the last group get 0. Persistent tile schedule of _grouped_mm_kernel."""
     pid = tl.program_id(0)
-    g_vec, starts, ends, m_tiles, tiles, tile_ends, num_n, group_tiles, rows_end = \
-        _row_tile_schedule(offs_ptr, G, M, N, G_PAD, BLOCK_M, BLOCK_N)
+    g_vec = tl.arange(0, G_PAD)
+    ends = tl.load(offs_ptr + g_vec, mask=g_vec < G, other=0)
+    prev = tl.load(offs_ptr + g_vec - 1, mask=(g_vec >= 1) & (g_vec <= G), other=0)
+    starts, ends, m_tiles, tiles, tile_ends, num_n, group_tiles, rows_end = \
+        _row_tile_schedule(ends, prev, M, N, BLOCK_M, BLOCK_N)
     tail_tiles = tl.cdiv(M - rows_end, BLOCK_M) * num_n
     if USE_TMA:
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
@@ -170,7 +173,10 @@ def _scaled_grouped_mm_wgrad_kernel(
     MX blocks). Persistent over the G * (K/BLOCK_K) * (N/BLOCK_N) output tiles.
     """
     pid = tl.program_id(0)
-    g_vec, starts, ends, first, blocks = _column_groups(offs_ptr, M, G, SCALE_ROWS, G_PAD)
+    g_vec = tl.arange(0, G_PAD)
+    ends = tl.load(offs_ptr + g_vec, mask=g_vec < G, other=0)
+    prev = tl.load(offs_ptr + g_vec - 1, mask=(g_vec >= 1) & (g_vec <= G), other=0)
+    _, starts, ends, first, blocks = _column_groups(ends, prev, M, G, SCALE_ROWS, G_PAD)
     num_k = tl.cdiv(K, BLOCK_K)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = num_k * num_n
