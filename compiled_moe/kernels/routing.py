@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from compiled_moe.kernels.configs import route_one_program_config, row_copy_config, size_hint
+from compiled_moe.kernels.configs import (gather_rows_config, route_one_program_config,
+                                         row_copy_config, size_hint)
 
 
 @triton.jit
@@ -51,29 +52,37 @@ def _route_one_program_kernel(ids_ptr, offs_ptr, row_of_ptr, source_ptr, n, capa
 
 
 @triton.jit
-def _gather_rows_kernel(x_ptr, source_ptr, scale_ptr, other_ptr, out_ptr, dot_ptr, H, top_k,
-                        stride_x, stride_other, stride_out,
-                        HAS_SCALE: tl.constexpr, HAS_DOT: tl.constexpr, BLOCK_H: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    s = tl.load(source_ptr + r).to(tl.int64)
+def _gather_rows_kernel(x_ptr, source_ptr, scale_ptr, other_ptr, out_ptr, dot_ptr, num_rows, H,
+                        top_k, stride_x, stride_other, stride_out,
+                        HAS_SCALE: tl.constexpr, HAS_DOT: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_H: tl.constexpr):
+    """BLOCK_R rows; the grid's second axis splits the columns, except with HAS_DOT (one
+    program then walks the whole row, whose dot product it needs)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < num_rows
+    s = tl.load(source_ptr + r, mask=r_ok, other=-1).to(tl.int64)
     valid = s >= 0
     s = tl.maximum(s, 0)
     t = s // top_k
     h_valid = tl.where(valid, H, 0)  # padding rows read nothing and write zeros
+    r = r.to(tl.int64)
     if HAS_SCALE:
-        w = tl.load(scale_ptr + s).to(tl.float32)
-    dot = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
+        w = tl.load(scale_ptr + s, mask=valid, other=0.0).to(tl.float32)
+    dot = tl.zeros((BLOCK_R, BLOCK_H), dtype=tl.float32)
+    for h0 in range(tl.program_id(1) * BLOCK_H, H, tl.num_programs(1) * BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
-        x = tl.load(x_ptr + t * stride_x + cols, mask=cols < h_valid, other=0.0)
+        inside = cols[None, :] < h_valid[:, None]
+        x = tl.load(x_ptr + t[:, None] * stride_x + cols[None, :], mask=inside, other=0.0)
         if HAS_DOT:
-            o = tl.load(other_ptr + r * stride_other + cols, mask=cols < h_valid, other=0.0)
+            o = tl.load(other_ptr + r[:, None] * stride_other + cols[None, :], mask=inside,
+                        other=0.0)
             dot += x.to(tl.float32) * o.to(tl.float32)
         if HAS_SCALE:
-            x = x.to(tl.float32) * w
-        tl.store(out_ptr + r * stride_out + cols, x.to(out_ptr.dtype.element_ty), mask=cols < H)
+            x = x.to(tl.float32) * w[:, None]
+        tl.store(out_ptr + r[:, None] * stride_out + cols[None, :],
+                 x.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & (cols[None, :] < H))
     if HAS_DOT:
-        tl.store(dot_ptr + s, tl.sum(dot, 0).to(dot_ptr.dtype.element_ty), mask=valid)
+        tl.store(dot_ptr + s, tl.sum(dot, 1).to(dot_ptr.dtype.element_ty), mask=r_ok & valid)
 
 
 @triton.jit
@@ -123,12 +132,14 @@ def gather_rows(x: torch.Tensor, source: torch.Tensor, top_k: int, out: torch.Te
     source = source.contiguous()
     scale = scale.contiguous() if scale is not None else None
     other = _rows(other) if other is not None else None
-    cfg = row_copy_config(size_hint(H), out.device.type)
-    wrap_triton(_gather_rows_kernel)[(num_rows,)](
-        x, source, scale, other, out, dot, H, top_k,
+    cfg = gather_rows_config(size_hint(H), out.device.type)
+    column_programs = 1 if dot is not None else triton.cdiv(H, cfg.block_n)
+    grid = (triton.cdiv(num_rows, cfg.block_m), column_programs)
+    wrap_triton(_gather_rows_kernel)[grid](
+        x, source, scale, other, out, dot, num_rows, H, top_k,
         x.stride(0), other.stride(0) if other is not None else 0, out.stride(0),
-        HAS_SCALE=scale is not None, HAS_DOT=dot is not None, BLOCK_H=cfg.block_n,
-        num_warps=cfg.num_warps,
+        HAS_SCALE=scale is not None, HAS_DOT=dot is not None, BLOCK_R=cfg.block_m,
+        BLOCK_H=cfg.block_n, num_warps=cfg.num_warps,
     )
 
 
