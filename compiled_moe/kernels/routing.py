@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from compiled_moe.kernels.configs import (gather_rows_config, route_one_program_config,
-                                         row_copy_config, size_hint)
+from compiled_moe.kernels.configs import (combine_rows_config, gather_rows_config,
+                                         route_one_program_config, size_hint)
 
 
 @triton.jit
@@ -151,7 +151,7 @@ def combine_rows(y: torch.Tensor, row_of: torch.Tensor, out: torch.Tensor,
     if num_tokens == 0 or H == 0:
         return
     y = _rows(y)
-    cfg = row_copy_config(size_hint(H), out.device.type)
+    cfg = combine_rows_config(size_hint(H), out.device.type)
     grid = (num_tokens, triton.cdiv(H, cfg.block_n))
     wrap_triton(_combine_rows_kernel)[grid](
         y, row_of.contiguous(), weights.contiguous() if weights is not None else None, out,
