@@ -92,7 +92,7 @@ def test_leaves_other_forms_alone():
     cap = Capture()
     out = torch.compile(batched, backend=cap, fullgraph=True)(a, b)
     assert cap.counts[-1] == {"sorted_dispatch": 0, "grouped_mm": 0, "row_masks": 0,
-                              "gated_activation": 0}
+                              "sort_routing": 0, "gated_activation": 0}
     torch.testing.assert_close(out.float(), torch.bmm(a.float(), b.float()), rtol=2e-2, atol=2e-2)
 
     idx = torch.tensor([2, 0, 1])
@@ -212,8 +212,12 @@ def test_hf_grouped_mm_backend_is_rewritten(dtype, tol):
     fn = torch.compile(_hf_forward(mod), backend=cap, fullgraph=True)
     _check_against_loop(mod, fn, hidden, ids, weights, tol)
     assert cap.counts[-1] == {"sorted_dispatch": 2, "grouped_mm": 2, "row_masks": 0,
-                              "gated_activation": 1}
+                              "sort_routing": 1, "gated_activation": 1}
     targets = cap.targets()
+    # The sort of the ids and the offsets counted from it are one moe_route.
+    assert CM.moe_route.default in targets
+    assert torch.sort not in targets and torch.histc not in targets and torch.cumsum not in targets
+    assert not any(n.op == "call_method" and n.target == "sort" for n in cap.graphs[-1].nodes)
     assert targets.count(CM.grouped_mm.default) == 2
     # silu(gate) * up of the chunked FC1 output is one moe_activation (swiglu, stacked).
     assert CM.moe_activation.default in targets
@@ -239,7 +243,7 @@ def test_expert_parallel_sentinel_masks_are_dropped():
     fn = torch.compile(_hf_forward(mod), backend=cap, fullgraph=True)
     _check_against_loop(mod, fn, hidden, ids, weights, 1e-4)
     assert cap.counts[-1] == {"sorted_dispatch": 2, "grouped_mm": 2, "row_masks": 3,
-                              "gated_activation": 1}
+                              "sort_routing": 1, "gated_activation": 1}
     nodes = cap.graphs[-1].nodes
     assert not any(n.op == "call_method" and n.target.startswith("masked_fill") for n in nodes)
 
@@ -279,6 +283,44 @@ def test_keeps_masks_that_are_not_past_the_offsets():
         torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("extra", [None, "perm", "vals", "descending"])
+def test_sort_routing_only_where_nothing_else_reads_the_sort(extra):
+    """The routing of HF's backend (sort of the flattened (T, k) ids, offsets counted by histc)
+    becomes one moe_route; a sort whose permutation or values something else reads, or a
+    descending one, stays."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 8, generator=g)
+    w = torch.randn(4, 8, 16, generator=g)
+    ids = torch.tensor([[3, 0], [1, 1], [2, 0], [3, 2], [0, 1], [2, 3]])
+
+    def f(x, w, ids):
+        vals, perm = torch.sort(ids.reshape(-1), descending=extra == "descending")
+        offs = torch.cumsum(torch.histc(vals.float(), bins=4, min=0, max=3), 0, dtype=torch.int32)
+        y = torch._grouped_mm(x[perm // 2].bfloat16(), w.bfloat16(), offs=offs).float()
+        if extra == "perm":
+            y = y + perm[:, None]
+        if extra == "vals":
+            y = y + vals[:, None]
+        return y
+
+    cap = Capture()
+    out = torch.compile(f, backend=cap, fullgraph=True)(x, w, ids)
+    rewritten = extra is None
+    assert cap.counts[-1]["sort_routing"] == int(rewritten)
+    assert (CM.moe_route.default in cap.targets()) == rewritten
+    if extra == "descending":
+        return  # (its offsets do not describe its rows: nothing to compare)
+    # moe_route's order of equal ids is the stable one; a kept sort runs as torch.sort does.
+    vals, perm = torch.sort(ids.reshape(-1), stable=rewritten)
+    offs = torch.cumsum(torch.bincount(vals, minlength=4), 0).to(torch.int32)
+    want = loop_grouped_mm(x[perm // 2].bfloat16(), w.bfloat16(), offs).float()
+    if extra == "perm":
+        want = want + perm[:, None]
+    if extra == "vals":
+        want = want + vals[:, None]
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+
+
 def test_hf_backend_dynamic_tokens_one_compile():
     mod = _hf_experts(torch.float32)
     cap = Capture()
@@ -288,7 +330,7 @@ def test_hf_backend_dynamic_tokens_one_compile():
         _check_against_loop(mod, fn, hidden, ids, weights, 1e-4)
     assert len(cap.graphs) == 1
     assert cap.counts[0] == {"sorted_dispatch": 2, "grouped_mm": 2, "row_masks": 0,
-                             "gated_activation": 1}
+                             "sort_routing": 1, "gated_activation": 1}
 
 
 # ------------------------------------------------------------------ entry points
