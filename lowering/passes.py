@@ -540,6 +540,8 @@ def rewrite_sort_routing(graph: Graph) -> int:
         ids, iv, fv = flat.args[0], _tensor(flat.args[0]), _tensor(flat)
         if iv is None or fv is None or iv.dim() != 2 or fv.dim() != 1:
             continue
+        if isinstance(fv.shape[0], int) and fv.shape[0] >= 2**31:
+            continue  # more pairs than moe_route takes
         outputs = _sort_outputs(sort)
         if iv.dtype not in (torch.int32, torch.int64) or outputs is None or outputs[0] is None:
             continue
