@@ -214,9 +214,11 @@ def test_hf_grouped_mm_backend_is_rewritten(dtype, tol):
     assert cap.counts[-1] == {"sorted_dispatch": 2, "grouped_mm": 2, "row_masks": 0,
                               "sort_routing": 1, "gated_activation": 1}
     targets = cap.targets()
-    # The sort of the ids and the offsets counted from it are one moe_route.
+    # The sort of the ids and the offsets counted from it are one moe_route, and the inverse
+    # permutation the combine had built (empty_like, then a setitem nobody reads) is gone.
     assert CM.moe_route.default in targets
     assert torch.sort not in targets and torch.histc not in targets and torch.cumsum not in targets
+    assert operator.setitem not in targets and torch.empty_like not in targets
     assert not any(n.op == "call_method" and n.target == "sort" for n in cap.graphs[-1].nodes)
     assert targets.count(CM.grouped_mm.default) == 2
     # silu(gate) * up of the chunked FC1 output is one moe_activation (swiglu, stacked).
