@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, is_grad_enabled
 
 from compiled_moe.fp8 import fp8_grouped_mm
 from compiled_moe.ops import moe_mlp as mlp_ops
@@ -15,7 +15,9 @@ from compiled_moe.reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, check_recipe
 
 
 def _needs_grad(*tensors: Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    # is_grad_enabled by name: a traced frame that reaches `torch` through two modules' globals
+    # (this one's and experts.py's) gets a Python-level guard that they are the same object.
+    return is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def activation_constants(activation: str, alpha: float, limit: float) -> dict:

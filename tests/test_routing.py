@@ -370,6 +370,45 @@ def test_experts_bad_inputs(change, exc, match):
         cm.moe_experts(**dict(inp, **change))
 
 
+@pytest.mark.parametrize("change,match", [
+    (dict(activation="tanh"), "activation"),
+    (dict(gate_up_layout="split"), "gate_up_layout"),
+    (dict(w1=torch.randn(5, 16, 15)), "w1"),
+    (dict(w2=torch.randn(5, 16, 7)), "w2"),
+    (dict(b1=torch.randn(5, 3)), "b1"),
+    (dict(b2=torch.randn(4, 16)), "b2"),
+    (dict(topk_weights=torch.rand(19, 3)), "weights"),
+    (dict(topk_ids=torch.zeros(19, 2)), "topk_ids"),
+])
+def test_experts_bad_inputs_compiled(change, match):
+    # Compiled, moe_experts leaves the argument checks to its ops (their fake functions run
+    # when the graph is built): the error still names the argument.
+    inp = _experts_inputs("swiglu", False, dtype=torch.float32)
+    compiled = torch.compile(cm.moe_experts, backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=match):
+        compiled(**dict(inp, **change))
+
+
+def test_compiled_experts_guards_only_what_the_graph_depends_on():
+    """Every guard costs host time on every compiled call. moe_experts' Python argument checks
+    only read what the tensors' own guards pin, so a compiled block must not guard on them."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    inp = _experts_inputs("swiglu", False, dtype=torch.float32)
+
+    def block(hidden, topk_ids, topk_weights):
+        return cm.moe_experts(hidden, topk_ids, topk_weights, inp["w1"], inp["w2"])
+
+    torch.compile(block, backend="eager", fullgraph=True)(
+        inp["hidden"], inp["topk_ids"], inp["topk_weights"])
+    guards = str(_debug_get_cache_entry_list(block.__code__)[0].guard_manager)
+    # (a guard's comment names the source line that made it: ops/_dispatch.py holds the checks)
+    for helper in ("_check_experts_args", "ops/_dispatch.py", "ACTIVATIONS", "GATE_UP_LAYOUTS"):
+        assert helper not in guards, helper
+    # (one Python-level guard is torch's own; a second one compared two modules' `torch`)
+    assert guards.count("LAMBDA_GUARD") <= 1
+
+
 # ------------------------------------------------------------------ modules
 
 
