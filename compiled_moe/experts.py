@@ -16,7 +16,7 @@ from torch import Tensor
 
 from compiled_moe.reference import (ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS,
                                     GPT_OSS_ALPHA, GPT_OSS_LIMIT, check_recipe)
-from compiled_moe.kernels.configs import mlp_gathers_input
+from compiled_moe.kernels.configs import fp8_group_rows, mlp_gathers_input
 from compiled_moe.mlp import (_needs_grad, activation_constants, apply_activation,
                               check_fp8_weights, grouped_linear)
 from compiled_moe.ops._dispatch import check_same_device, check_tensor
@@ -126,8 +126,9 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
             y, _ = torch.ops.compiled_moe.moe_mlp(x, offs, w1, w2, activation, gate_up_layout,
                                                   b1=b1, b2=b2, save_h=save_h, **constants)
         return torch.ops.compiled_moe.moe_unpermute(y, row_of, source, topk_weights)
-    # FP8: groups start on 16-row boundaries, so the FP8 weight-gradient kernel reads by TMA.
-    pad = 1 if fp8_recipe is None else 16
+    # FP8: groups start on 16-row boundaries (so the FP8 weight-gradient kernel reads by TMA)
+    # or 32 (see fp8_group_rows).
+    pad = 1 if fp8_recipe is None else fp8_group_rows(num_experts)
     offs, row_of, source = torch.ops.compiled_moe.moe_route(topk_ids, num_experts, pad)
     x = torch.ops.compiled_moe.moe_permute(hidden, row_of, source)
     h = grouped_linear(x, w1, offs, b1, fp8_recipe, w1_fp8)
