@@ -1,0 +1,123 @@
+"""Same-process A/B of the Hopper GEMM kernels of csrc/: the package's sources against those of
+another directory (for instance `mkdir old && git show HEAD~1:csrc/grouped_mm.cu > old/...`,
+with every *.cuh beside them). Both builds run through the package's own launch code, on the
+same inputs, in interleaved rounds (best of the rounds' medians); outputs must be bitwise equal.
+
+Cases: bf16 forward and dgrad (`grouped_mm`), FP8 blockwise forward (`scaled_grouped_mm`),
+every model shape x {uniform, skewed} x {fc1, fc2}; `torch._grouped_mm` is timed beside the
+bf16 ones so that the ratios to it can be read off the same run.
+
+    python benchmarks/ab_csrc.py OLD_DIR [--rounds 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_fp8 import padded_offsets  # noqa: E402
+from bench_grouped_mm import problem  # noqa: E402
+from common import MODELS, bench, environment, offsets, write_json  # noqa: E402
+
+import compiled_moe as cm  # noqa: E402
+from compiled_moe import native  # noqa: E402
+
+
+def kernels_from(directory: Path):
+    """A stand-in for native.kernel that loads csrc/<name>.cu from ``directory``."""
+    from cuda.core import ObjectCode
+
+    @functools.lru_cache(maxsize=None)
+    def kernel(name: str, function: str, device_index: int):
+        path = directory / f"{name}.cu"
+        cubin = native.compile_source(path, native.source_arch(path, native.device_arch(device_index)))
+        return ObjectCode.from_cubin(cubin).get_kernel(function)
+
+    return kernel
+
+
+def gmean(values):
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+
+def cases():
+    for shape, routing, proj in itertools.product(MODELS, ("uniform", "skewed"), ("fc1", "fc2")):
+        M, K, N, G = problem(shape, proj)
+        torch.manual_seed(0)
+        w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16) / math.sqrt(K)
+        offs = offsets(M, G, routing)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        flops = 2 * M * K * N
+        name = f"{shape.name} {routing} {proj}"
+        yield (name, "forward", flops, lambda x=x, w=w, o=offs: cm.grouped_mm(x, w.mT, o),
+               lambda x=x, w=w, o=offs: torch._grouped_mm(x, w.mT, o))
+        yield (name, "dgrad", flops, lambda dy=dy, w=w, o=offs: cm.grouped_mm(dy, w, o),
+               lambda dy=dy, w=w, o=offs: torch._grouped_mm(dy, w, o))
+        poffs, PM = padded_offsets(M, G, routing)
+        xp = torch.randn(PM, K, device="cuda", dtype=torch.bfloat16)
+        xq = cm.grouped_quantize(xp, poffs, "fp8_blockwise", rowwise=True, columnwise=False)
+        wq = cm.grouped_quantize(w, None, "fp8_blockwise", rowwise=True, columnwise=False)
+        yield (name, "fp8 forward", 2 * PM * K * N,
+               lambda xq=xq, wq=wq, o=poffs: cm.scaled_grouped_mm(xq[0], wq[0].mT, xq[1], wq[1], o,
+                                                                  recipe="fp8_blockwise"), None)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("old", type=Path, help="directory with the other build's csrc/*.cu and *.cuh")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json")
+    args = p.parse_args()
+    builds = {"new": native.kernel, "old": kernels_from(args.old.resolve())}
+    rows = []
+    for name, pas, flops, ours, peer in cases():
+        outs = {}
+
+        def timed(build):
+            native.kernel = builds[build]
+            return ours()
+
+        for build in builds:
+            outs[build] = timed(build)
+        if not torch.equal(outs["new"].view(torch.uint8), outs["old"].view(torch.uint8)):
+            raise AssertionError(f"{name} {pas}: the two builds' outputs differ")
+        fns = {b: (lambda b=b: timed(b)) for b in builds}
+        if peer is not None:
+            fns["torch"] = peer
+        best = {k: float("inf") for k in fns}
+        for _ in range(args.rounds):
+            for k, fn in fns.items():
+                if k in builds:
+                    native.kernel = builds[k]
+                best[k] = min(best[k], bench(fn))
+        native.kernel = builds["new"]
+        tf = {k: flops / t / 1e9 for k, t in best.items()}
+        rows.append(dict(case=name, pas=pas, ms=best, tflops=tf))
+        line = f"{name:32s} {pas:12s} new {tf['new']:5.0f} old {tf['old']:5.0f} new/old {best['old'] / best['new']:.3f}"
+        if "torch" in tf:
+            line += f"  torch {tf['torch']:5.0f} new/torch {best['torch'] / best['new']:.3f} old/torch {best['torch'] / best['old']:.3f}"
+        print(line, flush=True)
+    print("\ngeometric means (time ratios, > 1: the first is faster)")
+    for pas in ("forward", "dgrad", "fp8 forward"):
+        sel = [r["ms"] for r in rows if r["pas"] == pas]
+        line = f"{pas:12s} new/old {gmean([m['old'] / m['new'] for m in sel]):.3f}"
+        if "torch" in sel[0]:
+            line += (f"  new/torch {gmean([m['torch'] / m['new'] for m in sel]):.3f}"
+                     f" (min {min(m['torch'] / m['new'] for m in sel):.3f})"
+                     f"  old/torch {gmean([m['torch'] / m['old'] for m in sel]):.3f}")
+        print(line)
+    if args.json:
+        write_json(args.json, {"environment": environment(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
