@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_fp8 import padded_offsets  # noqa: E402
 from bench_grouped_mm import problem  # noqa: E402
-from common import MODELS, bench, environment, offsets, write_json  # noqa: E402
+from common import MODELS, bench, environment, gmean, offsets, write_json  # noqa: E402
 
 import compiled_moe as cm  # noqa: E402
 from compiled_moe import native  # noqa: E402
@@ -42,10 +42,6 @@ def kernels_from(directory: Path):
         return ObjectCode.from_cubin(cubin).get_kernel(function)
 
     return kernel
-
-
-def gmean(values):
-    return math.exp(sum(map(math.log, values)) / len(values))
 
 
 def cases():

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_fp8 import padded_offsets, problem  # noqa: E402
-from common import MODELS, bench  # noqa: E402
+from common import MODELS, bench, gmean  # noqa: E402
 
 import compiled_moe as cm  # noqa: E402
 from compiled_moe.kernels import scaled_grouped_mm_sm90 as sm90  # noqa: E402
@@ -66,7 +66,7 @@ def main(pas: str, variants: list[tuple[int, ...]], rounds: int = 3) -> None:
         del x, xq, outs, fns
         torch.cuda.empty_cache()
     print("geometric mean against " + name(variants[0]) + ": " + " ".join(
-        f"{name(v)} {math.exp(sum(math.log(r[v] / r[variants[0]]) for r in rows) / len(rows)):.3f}"
+        f"{name(v)} {gmean(r[v] / r[variants[0]] for r in rows):.3f}"
         for v in variants))
 
 

@@ -28,16 +28,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import MODELS, bench, environment, offsets, write_json  # noqa: E402
+from bench_grouped_mm import problem  # noqa: E402
+from common import MODELS, bench, environment, gmean, offsets, write_json  # noqa: E402
 
 import compiled_moe as cm  # noqa: E402
-
-
-def problem(shape, proj):
-    rows = shape.tokens * shape.top_k
-    if proj == "fc1":
-        return rows, shape.hidden, 2 * shape.inter, shape.experts
-    return rows, shape.inter, shape.hidden, shape.experts
 
 
 def kernel_names(fn) -> list[str]:
@@ -70,13 +64,19 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def bf16_rows(shape, proj, rounds, show_kernels=False):
+def uniform_problem(shape, proj):
+    """(M, K, N, G, x, w) of a projection with M rounded down to G equal groups of r rows."""
     M, K, N, G = problem(shape, proj)
-    r = M // G
-    M = r * G
+    M = M // G * G
     torch.manual_seed(0)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16) / math.sqrt(K)
+    return M, K, N, G, x, w
+
+
+def bf16_rows(shape, proj, rounds, show_kernels=False):
+    M, K, N, G, x, w = uniform_problem(shape, proj)
+    r = M // G
     dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
     offs = offsets(M, G, "uniform")
     xg, dyg = x.view(G, r, K), dy.view(G, r, N)
@@ -158,12 +158,7 @@ def _dense_fp8(x, wt, recipe):
 
 
 def fp8_rows(shape, proj, rounds, show_kernels=False):
-    M, K, N, G = problem(shape, proj)
-    r = M // G
-    M = r * G
-    torch.manual_seed(0)
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16) / math.sqrt(K)
+    M, K, N, G, x, w = uniform_problem(shape, proj)
     offs = offsets(M, G, "uniform")
     xq = cm.grouped_quantize(x, offs, "fp8_blockwise", rowwise=True, columnwise=False)
     wq = cm.grouped_quantize(w, None, "fp8_blockwise", rowwise=True, columnwise=False)
@@ -212,8 +207,6 @@ def main():
                   f"{o / t:10.2f} {b / t:9.2f} {o / b:8.2f}")
     forward = [r["tflops"] for r in rows if r["pas"] in ("forward", "forward skewed")]
     if forward:
-        def gmean(v):
-            return math.exp(sum(map(math.log, v)) / len(v))
         ours = gmean([f["ours"] / f["torch._grouped_mm"] for f in forward])
         bound = gmean([max(f["ours"], f.get("cuBLAS bmm", 0)) / f["torch._grouped_mm"]
                        for f in forward])

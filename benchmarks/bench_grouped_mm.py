@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import MODELS, bench, environment, offsets, write_json  # noqa: E402
+from common import MODELS, bench, environment, gmean, offsets, write_json  # noqa: E402
 
 import compiled_moe as cm  # noqa: E402
 from compiled_moe.kernels import configs  # noqa: E402
@@ -146,8 +146,7 @@ def summary(rows):
     for p in PASSES:
         s = [r["speedup"] for r in rows if r["pass"] == p]
         if s:
-            geo = math.exp(sum(math.log(v) for v in s) / len(s))
-            lines.append(f"\n{p}: geomean {geo:.3f}x, min {min(s):.3f}x over {len(s)} cases")
+            lines.append(f"\n{p}: geomean {gmean(s):.3f}x, min {min(s):.3f}x over {len(s)} cases")
     return "\n".join(lines)
 
 

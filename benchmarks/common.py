@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import platform
 import time
 
@@ -72,6 +73,12 @@ def bench(fn) -> float:
         warm_up()
         _warmed_up = True
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def gmean(values) -> float:
+    """Geometric mean (of speed ratios)."""
+    values = list(values)
+    return math.exp(sum(map(math.log, values)) / len(values))
 
 
 def environment() -> dict:
