@@ -65,7 +65,7 @@ def rel_err(a, b):
 
 
 def uniform_problem(shape, proj):
-    """(M, K, N, G, x, w) of a projection with M rounded down to G equal groups of r rows."""
+    """(M, K, N, G, x, w) of a projection, M rounded down to a multiple of G (equal groups)."""
     M, K, N, G = problem(shape, proj)
     M = M // G * G
     torch.manual_seed(0)
