@@ -100,7 +100,7 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
     const float* __restrict__ a_scale, long long a_scale_stride_m, int a_scale_stride_k,
     const float* __restrict__ b_scale, long long b_scale_stride_g, int b_scale_stride_n, int b_scale_stride_k,
     void* __restrict__ out, int out_kind, long long out_stride_m,
-    const int* __restrict__ offs, int M, int N, int K, int G, int num_stages, int prefetch) {
+    const int* __restrict__ offs, int M, int N, int K, int G, int num_stages) {
   extern __shared__ __align__(1024) unsigned char fwd_smem_raw[];
   // 1024-byte alignment of every tile: the 128-byte swizzle pattern repeats every 1024 bytes.
   unsigned char* smem = (unsigned char*)(((u64)fwd_smem_raw + 1023) & ~1023ull);
@@ -138,9 +138,6 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
       for (int t = first_tile; t < num_tiles; t += tile_step) {
         const Tile tile = my_tile(t);
         for (int kb = 0; kb < num_kb; ++kb) {
-          prefetch_ahead(prefetch, kb, num_kb, tile, t + tile_step, num_tiles, my_tile, [&](const Tile& p, int k) {
-            tma_prefetch_3d(&b_map, k * BLOCK_K, p.col0, p.group);
-          });
           mbar_wait(&empty[stage], phase ^ 1);
           unsigned char* dst = smem + stage * STAGE_BYTES;
           mbar_expect_tx(&full[stage], STAGE_BYTES);
@@ -308,11 +305,11 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
       const float* __restrict__ a_scale, long long a_scale_stride_m, int a_scale_stride_k,                 \
       const float* __restrict__ b_scale, long long b_scale_stride_g, int b_scale_stride_n,                 \
       int b_scale_stride_k, void* __restrict__ out, int out_kind, long long out_stride_m,                  \
-      const int* __restrict__ offs, int M, int N, int K, int G, int num_stages, int prefetch) {            \
+      const int* __restrict__ offs, int M, int N, int K, int G, int num_stages) {                          \
     fp8_blockwise_grouped_mm_body<CLUSTER>(a_map, b_map, out_map, a_scale, a_scale_stride_m,               \
                                            a_scale_stride_k, b_scale, b_scale_stride_g, b_scale_stride_n,  \
                                            b_scale_stride_k, out, out_kind, out_stride_m, offs, M, N, K,   \
-                                           G, num_stages, prefetch);                                       \
+                                           G, num_stages);                                                 \
   }
 
 FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm, 1, )

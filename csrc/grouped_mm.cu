@@ -304,7 +304,7 @@ __device__ __forceinline__ void grouped_mm_fwd(
     const TensorMap& a_map, const TensorMap& b_map, const TensorMap& out_map, void* __restrict__ out,
     int out_kind, long long out_stride_m,
     const void* __restrict__ bias, int bias_kind, long long bias_stride_g, const int* __restrict__ offs, int M,
-    int N, int K, int G, int num_stages, int prefetch) {
+    int N, int K, int G, int num_stages) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
   unsigned char* out_stage = smem + num_stages * STAGE_BYTES;  // 2 consumers x 32 KB
@@ -327,22 +327,11 @@ __device__ __forceinline__ void grouped_mm_fwd(
       asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&b_map) : "memory");
       int stage = 0;
       u32 phase = 0;
-      // b's boxes of step kb of a tile, into L2 (sm90.cuh: prefetch_ahead).
-      auto prefetch_b = [&](const Tile& tile, int kb) {
-        if (B_NMAJOR) {
-          for (int col = tile.col0; col < min(N, tile.col0 + BLOCK_N); col += CHUNK)
-            tma_prefetch_3d(&b_map, col * 2, kb * BLOCK_K, tile.group);
-        } else {
-          tma_prefetch_3d(&b_map, kb * BLOCK_K * 2, tile.col0, tile.group);
-        }
-      };
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
         const Tile tile = locate(t, sched, G, BLOCK_M, BLOCK_N);
         // N-major b: boxes wholly past N are not loaded (they feed only columns not stored).
         const int b_boxes = B_NMAJOR ? min(4, (N - tile.col0 + CHUNK - 1) / CHUNK) : 4;
         for (int kb = 0; kb < num_kb; ++kb) {
-          prefetch_ahead(prefetch, kb, num_kb, tile, t + gridDim.x, num_tiles,
-                         [&](int u) { return locate(u, sched, G, BLOCK_M, BLOCK_N); }, prefetch_b);
           mbar_wait(&empty[stage], phase ^ 1);
           unsigned char* dst = smem + stage * STAGE_BYTES;
           mbar_expect_tx(&full[stage], (2 + b_boxes) * BOX_BYTES);
@@ -450,9 +439,9 @@ __device__ __forceinline__ void grouped_mm_fwd(
       const __grid_constant__ TensorMap out_map, /* out (M, N): {N, M, 1}, box {64, 64, 1} */              \
       void* __restrict__ out, int out_kind, long long out_stride_m, const void* __restrict__ bias,         \
       int bias_kind, long long bias_stride_g, const int* __restrict__ offs, int M, int N, int K, int G,    \
-      int num_stages, int prefetch) {                                                                      \
+      int num_stages) {                                                                                    \
     grouped_mm_fwd<F16, B_NMAJOR>(a_map, b_map, out_map, out, out_kind, out_stride_m, bias, bias_kind,    \
-                                  bias_stride_g, offs, M, N, K, G, num_stages, prefetch);                 \
+                                  bias_stride_g, offs, M, N, K, G, num_stages);                           \
   }
 
 FWD_KERNEL(grouped_mm_bf16, false, false)

@@ -60,13 +60,6 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const TensorMap* map, u64
       : "memory");
 }
 
-// Asks L2 to fetch a tensor map's box ahead of the load that will want it: no shared memory, no
-// barrier, nothing to wait for. Boxes (partly) out of bounds fetch what is inside.
-__device__ __forceinline__ void tma_prefetch_3d(const TensorMap* map, int c0, int c1, int c2) {
-  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];"
-               ::"l"((u64)map), "r"(c0), "r"(c1), "r"(c2) : "memory");
-}
-
 // Clusters of CTAs (TMA multicast): this CTA's rank, a barrier of every thread of the cluster
 // (threads that have exited do not count), a load that lands at the same shared-memory offset
 // in every CTA of `cta_mask` and completes bytes on each one's mbarrier at `bar`'s offset, and
@@ -289,16 +282,4 @@ __device__ __forceinline__ Tile locate(int t, const Schedule& s, int G, int bloc
   tile.row_end = s.row_end[lo];
   tile.col0 = (local / m_tiles) * block_n;
   return tile;
-}
-
-// The L2 prefetch of the producers of the forward kernels: at step kb of `tile`, fetch(tile, k)
-// asks for the weight boxes of the step `distance` steps later, in this tile or in tile t_next,
-// the next this block takes (located only then: the producer has 40 registers). distance 0: none.
-template <typename Locate, typename Fetch>
-__device__ __forceinline__ void prefetch_ahead(int distance, int kb, int num_kb, const Tile& tile, int t_next,
-                                               int num_tiles, Locate&& tile_at, Fetch&& fetch) {
-  if (distance <= 0) return;
-  const int k = kb + distance;
-  if (k < num_kb) fetch(tile, k);
-  else if (t_next < num_tiles && k - num_kb < num_kb) fetch(tile_at(t_next), k - num_kb);
 }

@@ -39,13 +39,12 @@ class TileConfig:
     ctas_per_sm: int = 1  # persistent programs per SM: 2 lets one's epilogue overlap the other
     epilogue_tma: int = 0  # fused FC1: epilogue tiles (h, out) by TMA instead of pointers
     cluster: int = 1  # CUDA kernels: CTAs of a cluster that share an operand tile by TMA multicast
-    prefetch: int = 0  # CUDA forward kernels: k steps ahead that the producer asks L2 for weights
 
     def __str__(self) -> str:
         return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} BLOCK_K={self.block_k} "
                 f"GROUP_M={self.group_m} warps={self.num_warps} stages={self.num_stages} "
                 f"warp_specialize={self.warp_specialize} ctas_per_sm={self.ctas_per_sm} "
-                f"epilogue_tma={self.epilogue_tma} cluster={self.cluster} prefetch={self.prefetch}")
+                f"epilogue_tma={self.epilogue_tma} cluster={self.cluster}")
 
 
 def _log(kind: str, key: tuple, cfg: TileConfig) -> None:
@@ -59,7 +58,7 @@ _INTERPRETER_TILE = TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, nu
 
 
 def _env_override() -> TileConfig | None:
-    """COMPILED_MOE_TILE="BM,BN,BK,GROUP_M,warps,stages[,warp_specialize[,ctas_per_sm[,epilogue_tma[,cluster[,prefetch]]]]]" forces
+    """COMPILED_MOE_TILE="BM,BN,BK,GROUP_M,warps,stages[,warp_specialize[,ctas_per_sm[,epilogue_tma[,cluster]]]]" forces
     one tile (benchmark sweeps)."""
     spec = os.environ.get("COMPILED_MOE_TILE")
     if not spec:

@@ -127,10 +127,9 @@ def grouped_mm_wgrad(a, grad_out, offs, out, accumulate: bool, accumulate_mask,
     )
 
 
-def grouped_mm(a, b, offs, bias, out, num_stages=None, prefetch=None) -> None:
+def grouped_mm(a, b, offs, bias, out, num_stages=None) -> None:
     """out (M, N) = a (M, K) @ b[g] (K, N) (+ bias[g]) per row group; rows past offs[-1] get 0.
-    The caller checked ``supported`` and ``aligned``. num_stages and prefetch (k steps of L2
-    prefetch of b) default to the config's."""
+    The caller checked ``supported`` and ``aligned``."""
     M, K = a.shape
     G, _, N = b.shape
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
@@ -147,9 +146,7 @@ def grouped_mm(a, b, offs, bias, out, num_stages=None, prefetch=None) -> None:
     a_map = native.tensor_map(a.data_ptr(), (K * 2, M), (a.stride(0) * 2,), (128, 128))
     out_map = native.tensor_map(out.data_ptr(), (N, M, 1), (out.stride(0) * 2, out.stride(0) * 2 * M),
                                 (64, 64, 1), _OUT_MAP_TYPES[out.dtype])
-    cfg = grouped_mm_sm90_config()
-    num_stages = min(num_stages or cfg.num_stages, _MAX_STAGES)
-    prefetch = cfg.prefetch if prefetch is None else prefetch
+    num_stages = min(num_stages or grouped_mm_sm90_config().num_stages, _MAX_STAGES)
     i32, i64 = native.int32, native.int64
     native.launch_driver(
         native.kernel("grouped_mm", name, dev),
@@ -157,5 +154,5 @@ def grouped_mm(a, b, offs, bias, out, num_stages=None, prefetch=None) -> None:
         a_map, b_map, out_map, out, i32(_OUT_KINDS[out.dtype]), i64(out.stride(0)),
         bias if bias is not None else i64(0), i32(_OUT_KINDS[bias.dtype] if bias is not None else -1),
         i64(bias.stride(0) if bias is not None else 0),
-        offs.contiguous(), i32(M), i32(N), i32(K), i32(G), i32(num_stages), i32(prefetch),
+        offs.contiguous(), i32(M), i32(N), i32(K), i32(G), i32(num_stages),
     )

@@ -63,19 +63,16 @@ def fit_stages(requested: int, shared_bytes) -> int:
 _CLUSTER_KERNELS = {1: "fp8_blockwise_grouped_mm", 2: "fp8_blockwise_grouped_mm_x2"}
 
 
-def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, num_stages=None, cluster=None,
-                      prefetch=None) -> None:
+def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, num_stages=None, cluster=None) -> None:
     """out (M, N) = a (M, K) @ b (G, K, N), e4m3 K-major operands with blockwise scales.
-    The caller checked ``supported``, ``aligned`` and M, N, K > 0. cluster (1 or 2) and
-    prefetch (k steps of L2 prefetch of b) default to the config's; cluster: CTAs that share
-    each a tile by TMA multicast."""
+    The caller checked ``supported``, ``aligned`` and M, N, K > 0. cluster (1 or 2; default:
+    the config's): CTAs that share each a tile by TMA multicast."""
     M, K = a.shape
     G, _, N = b.shape
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
     i32, i64 = native.int32, native.int64
     cfg = fp8_blockwise_sm90_config(size_hint(M), N, K, G)
     cluster = cluster or cfg.cluster
-    prefetch = cfg.prefetch if prefetch is None else prefetch
     # With a cluster, each CTA loads its 128 // cluster rows of the a tile into every CTA.
     a_map = native.tensor_map(a.data_ptr(), (K, M), (a.stride(0),), (128, 128 // cluster))
     shared = lambda n: _shared_bytes(G, n, out.dtype)  # noqa: E731
@@ -96,7 +93,7 @@ def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, num_stages=None, cluste
         a_scale, i64(a_scale.stride(0)), i32(a_scale.stride(1)),
         b_scale, i64(b_scale.stride(0)), i32(b_scale.stride(1)), i32(b_scale.stride(2)),
         out, i32(_OUT_KINDS[out.dtype]), i64(out.stride(0)),
-        offs, i32(M), i32(N), i32(K), i32(G), i32(num_stages), i32(prefetch),
+        offs, i32(M), i32(N), i32(K), i32(G), i32(num_stages),
     )
 
 
