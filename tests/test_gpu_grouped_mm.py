@@ -235,6 +235,32 @@ def test_cuda_kernels_match_oracle_and_triton(shape, dtype, monkeypatch):
             assert (g[end:] == 0).all(), name
 
 
+@pytest.mark.parametrize("shape", CUDA_SHAPES)
+def test_cuda_forward_kernels_skip_past_rows_bitwise(shape):
+    """The forward/dgrad kernel has two instantiations, chosen by rows per group
+    (configs.grouped_mm_sm90_config): the one whose second consumer skips a group's last tile
+    when none of its 64 rows are the group's must give the same bits as the one that computes
+    and drops them, in both weight layouts, with a bias, on poisoned outputs."""
+    from compiled_moe.kernels import grouped_mm_sm90 as sm90
+    M, K, N, G, tail = shape
+    torch.manual_seed(M + 1)
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device=DEV, dtype=torch.bfloat16) / K ** 0.5
+    dy = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
+    bias = torch.randn(G, N, device=DEV, dtype=torch.bfloat16)
+    offs = skewed_offsets(M, G, seed=M + 1, empty_groups=min(1, G - 1), tail=tail)
+    for a, b, bias_ in ((x, w.mT, bias), (dy, w, None)):
+        outs = []
+        for skip in (False, True):
+            out = torch.full((M, b.shape[2]), float("nan"), device=DEV, dtype=torch.bfloat16)
+            with no_sync():
+                sm90.grouped_mm(a, b, offs, bias_, out, skip_past_rows=skip)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+        torch.testing.assert_close(outs[1].double(), loop_grouped_mm(a, b, offs, bias_).to(DEV),
+                                   rtol=1e-2, atol=1e-2 * outs[1].abs().max().item())
+
+
 def test_cuda_kernels_fall_back():
     """Operands the CUDA kernels cannot take run the Triton kernels, with the same result: an
     unaligned address, N not a multiple of 8, an fp32 output."""

@@ -39,12 +39,14 @@ class TileConfig:
     ctas_per_sm: int = 1  # persistent programs per SM: 2 lets one's epilogue overlap the other
     epilogue_tma: int = 0  # fused FC1: epilogue tiles (h, out) by TMA instead of pointers
     cluster: int = 1  # CUDA kernels: CTAs of a cluster that share an operand tile by TMA multicast
+    skip_past_rows: int = 0  # CUDA bf16 forward: the kernel whose idle consumer skips (see below)
 
     def __str__(self) -> str:
         return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} BLOCK_K={self.block_k} "
                 f"GROUP_M={self.group_m} warps={self.num_warps} stages={self.num_stages} "
                 f"warp_specialize={self.warp_specialize} ctas_per_sm={self.ctas_per_sm} "
-                f"epilogue_tma={self.epilogue_tma} cluster={self.cluster}")
+                f"epilogue_tma={self.epilogue_tma} cluster={self.cluster} "
+                f"skip_past_rows={self.skip_past_rows}")
 
 
 def _log(kind: str, key: tuple, cfg: TileConfig) -> None:
@@ -58,7 +60,7 @@ _INTERPRETER_TILE = TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, nu
 
 
 def _env_override() -> TileConfig | None:
-    """COMPILED_MOE_TILE="BM,BN,BK,GROUP_M,warps,stages[,warp_specialize[,ctas_per_sm[,epilogue_tma[,cluster]]]]" forces
+    """COMPILED_MOE_TILE="BM,BN,BK,GROUP_M,warps,stages[,warp_specialize[,ctas_per_sm[,epilogue_tma[,cluster[,skip_past_rows]]]]]" forces
     one tile (benchmark sweeps)."""
     spec = os.environ.get("COMPILED_MOE_TILE")
     if not spec:
@@ -388,16 +390,38 @@ def grouped_mm_wgrad_sm90_config() -> TileConfig:
     return _choose("grouped_mm_wgrad_sm90", (), "cuda", heuristic)
 
 
-@functools.lru_cache(maxsize=None)
-def grouped_mm_sm90_config() -> TileConfig:
-    """Tile of the CUDA bf16/fp16 forward/dgrad kernel (csrc/grouped_mm.cu): 128 x 256 x 64,
-    the Triton kernel's best tile too (see grouped_mm_config); 3 stages of 48 KB beside the
-    64 KB output staging and the tile list. Making room for a fourth (box-by-box staging, or
-    one staging buffer the consumers take in turns) measured no faster (RESULTS.md)."""
-    def heuristic():
-        return TileConfig(block_m=128, block_n=256, block_k=64, num_warps=12, num_stages=3)
+# Average rows a group at or below which the bf16 forward/dgrad runs its skipping kernel.
+SKIP_PAST_ROWS_PER_GROUP = 256
 
-    return _choose("grouped_mm_sm90", (), "cuda", heuristic)
+
+def grouped_mm_sm90_config(rows: int = 0, groups: int = 1) -> TileConfig:
+    """Tile of the CUDA bf16/fp16 forward/dgrad kernel (csrc/grouped_mm.cu) for `rows` rows
+    in `groups` groups: 128 x 256 x 64, the Triton kernel's best tile too (see
+    grouped_mm_config); 3 stages of 48 KB beside the 64 KB output staging and the tile list.
+    Making room for a fourth (box-by-box staging, or one staging buffer the consumers take in
+    turns) measured no faster (RESULTS.md).
+
+    skip_past_rows: the instantiation whose second consumer skips a group's last tile when
+    none of its 64 rows are the group's, where groups average 256 rows or fewer. H200, same
+    process against the other instantiation (benchmarks/ab_variants.py bf16-forward / bf16-dgrad
+    3,0 3,1; two runs): Qwen3 and GPT-OSS skewed (T = 4096: 256 and 128 rows a group)
+    1.00-1.08x forward and 1.01-1.08x dgrad, about 1.035x on average; their uniform cases
+    (no tile to skip) 0.99-1.02x. Not above 256: DeepSeek-V3 and Mixtral skewed (1024 rows a
+    group) ran 0.93-0.99x with it, although it skips few of their tiles. Our reading, not
+    measured: blocks that skip run ahead of the others, so the blocks running at once share
+    fewer of the weight's column blocks in L2 (a 4096 x 7168 expert is 59 MB). A tile-end
+    barrier that kept the two consumers in step did not help (0.93-0.98x). Qwen3 at T = 8192
+    (512 rows a group) was 0.96-1.01x skewed."""
+    return _grouped_mm_sm90_config(rows <= SKIP_PAST_ROWS_PER_GROUP * groups)
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_mm_sm90_config(fine_grained: bool) -> TileConfig:
+    def heuristic():
+        return TileConfig(block_m=128, block_n=256, block_k=64, num_warps=12, num_stages=3,
+                          skip_past_rows=int(fine_grained))
+
+    return _choose("grouped_mm_sm90", (fine_grained,), "cuda", heuristic)
 
 
 @functools.lru_cache(maxsize=None)

@@ -127,9 +127,10 @@ def grouped_mm_wgrad(a, grad_out, offs, out, accumulate: bool, accumulate_mask,
     )
 
 
-def grouped_mm(a, b, offs, bias, out, num_stages=None) -> None:
+def grouped_mm(a, b, offs, bias, out, num_stages=None, skip_past_rows=None) -> None:
     """out (M, N) = a (M, K) @ b[g] (K, N) (+ bias[g]) per row group; rows past offs[-1] get 0.
-    The caller checked ``supported`` and ``aligned``."""
+    The caller checked ``supported`` and ``aligned``. num_stages and skip_past_rows (bool)
+    default to the config's."""
     M, K = a.shape
     G, _, N = b.shape
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
@@ -143,10 +144,13 @@ def grouped_mm(a, b, offs, bias, out, num_stages=None) -> None:
         b_map = native.tensor_map(b.data_ptr(), (K * 2, N, G), (b.stride(2) * 2, b.stride(0) * 2),
                                   (128, 256, 1))
         name = _FWD_KERNELS[a.dtype]
+    cfg = grouped_mm_sm90_config(M, G)
+    if cfg.skip_past_rows if skip_past_rows is None else skip_past_rows:
+        name += "_skip"
     a_map = native.tensor_map(a.data_ptr(), (K * 2, M), (a.stride(0) * 2,), (128, 128))
     out_map = native.tensor_map(out.data_ptr(), (N, M, 1), (out.stride(0) * 2, out.stride(0) * 2 * M),
                                 (64, 64, 1), _OUT_MAP_TYPES[out.dtype])
-    num_stages = min(num_stages or grouped_mm_sm90_config().num_stages, _MAX_STAGES)
+    num_stages = min(num_stages or cfg.num_stages, _MAX_STAGES)
     i32, i64 = native.int32, native.int64
     native.launch_driver(
         native.kernel("grouped_mm", name, dev),

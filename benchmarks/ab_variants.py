@@ -1,0 +1,106 @@
+"""Same-process A/B of the Hopper CUDA GEMM kernels' launch variants (the choices in
+kernels/configs.py). Every model shape x {uniform, skewed} x {fc1, fc2}; variants timed in
+interleaved rounds (best of the rounds' medians), outputs compared bitwise with the first
+variant's; `torch._grouped_mm` is timed beside the bf16 ones.
+
+    python benchmarks/ab_variants.py fp8-forward 1,5 2,5 1,6      # cluster,stages
+    python benchmarks/ab_variants.py fp8-wgrad 4 3 5               # stages
+    python benchmarks/ab_variants.py bf16-forward 3,0 3,1          # stages,skip_past_rows
+    python benchmarks/ab_variants.py bf16-dgrad 3,0 3,1 --models Qwen3 --tokens 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_fp8 import padded_offsets, problem  # noqa: E402
+from common import MODELS, bench, gmean, offsets  # noqa: E402
+
+import compiled_moe as cm  # noqa: E402
+from compiled_moe.kernels import grouped_mm_sm90, scaled_grouped_mm_sm90 as fp8_sm90  # noqa: E402
+
+PASSES = ("fp8-forward", "fp8-wgrad", "bf16-forward", "bf16-dgrad")
+TORCH = "torch._grouped_mm"
+
+
+def name(v) -> str:
+    return v if isinstance(v, str) else ",".join(map(str, v))
+
+
+def case(pas, variants, M0, K, N, G, routing):
+    """(flops, {variant: fn}, {variant: output}) of one problem; bf16 passes add torch's fn."""
+    torch.manual_seed(0)
+    offs, M = padded_offsets(M0, G, routing) if pas.startswith("fp8") else (offsets(M0, G, routing), M0)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16) / math.sqrt(K)
+    if pas == "fp8-forward":
+        xq = cm.grouped_quantize(x, offs, "fp8_blockwise")
+        wq = cm.grouped_quantize(w, None, "fp8_blockwise")
+        outs = {v: torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for v in variants}
+        fns = {v: (lambda v=v: fp8_sm90.scaled_grouped_mm(xq[0], wq[0].mT, xq[1], wq[1], offs, outs[v],
+                                                          num_stages=v[1], cluster=v[0]))
+               for v in variants}
+    elif pas == "fp8-wgrad":
+        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        xq = cm.grouped_quantize(x, offs, "fp8_blockwise", rowwise=False, columnwise=True)
+        dq = cm.grouped_quantize(dy, offs, "fp8_blockwise", rowwise=False, columnwise=True)
+        outs = {v: torch.empty(G, K, N, device="cuda", dtype=torch.bfloat16) for v in variants}
+        fns = {v: (lambda v=v: fp8_sm90.scaled_grouped_mm_wgrad(xq[2], dq[2], xq[3], dq[3], offs,
+                                                                "fp8_blockwise", outs[v], num_stages=v[0]))
+               for v in variants}
+    else:  # bf16: forward x @ w^T (K-major weight), dgrad dy @ w (N-major)
+        a, b, cols = (x, w.mT, N) if pas == "bf16-forward" else (
+            torch.randn(M, N, device="cuda", dtype=torch.bfloat16), w, K)
+        outs = {v: torch.empty(M, cols, device="cuda", dtype=torch.bfloat16) for v in variants}
+        fns = {v: (lambda v=v: grouped_mm_sm90.grouped_mm(a, b, offs, None, outs[v], num_stages=v[0],
+                                                          skip_past_rows=bool(v[1])))
+               for v in variants}
+        fns[TORCH] = lambda: torch._grouped_mm(a, b, offs)
+    return 2 * M * K * N, fns, outs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("pass_", choices=PASSES)
+    p.add_argument("variants", nargs="+", help="comma-separated ints, as in the examples")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--models", nargs="*", help="name prefixes of the shapes to run (default: all)")
+    p.add_argument("--tokens", type=int, help="tokens of every shape instead of its own")
+    args = p.parse_args()
+    variants = [tuple(int(x) for x in v.split(",")) for v in args.variants]
+    models = [m for m in MODELS if not args.models or any(m.name.startswith(n) for n in args.models)]
+    rows = []
+    for shape, routing, proj in itertools.product(models, ("uniform", "skewed"), ("fc1", "fc2")):
+        if args.tokens:
+            shape = dataclasses.replace(shape, tokens=args.tokens)
+        M0, K, N, G = problem(shape, proj)
+        flops, fns, outs = case(args.pass_, variants, M0, K, N, G, routing)
+        for f in fns.values():
+            f()
+        torch.cuda.synchronize()
+        same = all(torch.equal(outs[variants[0]], outs[v]) for v in variants)
+        times = {v: [] for v in fns}
+        for _ in range(args.rounds):
+            for v, f in fns.items():
+                times[v].append(bench(f))
+        tf = {v: flops / (min(t) * 1e-3) / 1e12 for v, t in times.items()}
+        rows.append(tf)
+        print(f"{shape.name} T={shape.tokens} {routing} {proj}".ljust(42)
+              + " ".join(f"{name(v)}: {tf[v]:5.0f} ({tf[v] / tf[variants[0]]:.3f})" for v in fns)
+              + ("" if same else "  OUTPUTS DIFFER"), flush=True)
+        del fns, outs
+        torch.cuda.empty_cache()
+    print("geometric mean against " + name(variants[0]) + ": " + " ".join(
+        f"{name(v)} {gmean(r[v] / r[variants[0]] for r in rows):.3f}" for v in rows[0]))
+
+
+if __name__ == "__main__":
+    main()
