@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import MODELS, bench, environment, group_counts, write_json  # noqa: E402
+from common import MODELS, bench, environment, group_counts, interleaved, write_json  # noqa: E402
 
 import compiled_moe as cm  # noqa: E402
 from compiled_moe.kernels import scaled_grouped_mm as triton_fp8  # noqa: E402
@@ -164,7 +164,7 @@ def run(args):
                 name = f"{shape.name} {routing} {proj}"
                 check(fns, exact, name)
                 for pas, group in fns.items():
-                    times = {who: bench(fn) for who, fn in group.items()}
+                    times = interleaved(group, args.rounds)
                     flops = 2 * M * K * N
                     tf = {who: flops / t / 1e9 for who, t in times.items()}
                     peer = times.get("torch_rowwise", times.get("torch_bf16"))
@@ -187,6 +187,7 @@ def main():
     p.add_argument("--json")
     p.add_argument("--models", nargs="*")
     p.add_argument("--skip-quantize", action="store_true")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (best median of each)")
     args = p.parse_args()
     rows = run(args)
     quant = [] if args.skip_quantize else quantize_rows()

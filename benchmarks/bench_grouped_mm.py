@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import MODELS, bench, environment, gmean, offsets, write_json  # noqa: E402
+from common import MODELS, bench, environment, gmean, interleaved, offsets, write_json  # noqa: E402
 
 import compiled_moe as cm  # noqa: E402
 from compiled_moe.kernels import configs  # noqa: E402
@@ -73,17 +73,15 @@ def clear_config_caches():
     configs.grouped_mm_wgrad_config.cache_clear()
 
 
-def interleaved(peer, ours, rounds):
-    """Best of `rounds` medians of the peer, ours and ours on the Triton kernels, timed in turn
-    in each round (a slow spell of the GPU then hits every contender alike)."""
-    times = ([], [], [])
-    for _ in range(rounds):
-        times[0].append(bench(peer))
-        times[1].append(bench(ours))
+def on_triton(fn):
+    """fn with the ops on the Triton kernels (COMPILED_MOE_GEMM=triton) for the call."""
+    def run():
         os.environ["COMPILED_MOE_GEMM"] = "triton"
-        times[2].append(bench(ours))
-        del os.environ["COMPILED_MOE_GEMM"]
-    return tuple(min(t) for t in times)
+        try:
+            return fn()
+        finally:
+            del os.environ["COMPILED_MOE_GEMM"]
+    return run
 
 
 def run(args):
@@ -99,10 +97,10 @@ def run(args):
                     name = f"{shape.name} {routing} {proj} {p}"
                     flops = 2.0 * M * N * K
                     check(ours[p], peer[p], name)
-                    os.environ["COMPILED_MOE_GEMM"] = "triton"
-                    check(ours[p], peer[p], name + " (Triton)")
-                    del os.environ["COMPILED_MOE_GEMM"]
-                    t_peer, t_ours, t_triton = interleaved(peer[p], ours[p], args.rounds)
+                    check(on_triton(ours[p]), peer[p], name + " (Triton)")
+                    t = interleaved({"peer": peer[p], "ours": ours[p], "triton": on_triton(ours[p])},
+                                    args.rounds)
+                    t_peer, t_ours, t_triton = t["peer"], t["ours"], t["triton"]
                     row = {"model": shape.name, "routing": routing, "proj": proj, "pass": p,
                            "M": M, "K": K, "N": N, "G": G, "peer_ms": t_peer,
                            "peer_tflops": flops / t_peer / 1e9}

@@ -79,6 +79,16 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def interleaved(fns: dict, rounds: int = 3) -> dict:
+    """{name: ms}, the best of `rounds` medians of each function, the functions timed in turn
+    in each round (a slow spell of the GPU then hits every contender alike)."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(bench(fn))
+    return {name: min(t) for name, t in times.items()}
+
+
 def gmean(values) -> float:
     """Geometric mean (of speed ratios)."""
     values = list(values)
