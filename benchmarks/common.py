@@ -71,9 +71,9 @@ def bench(fn) -> float:
     global _warmed_up
     if not _warmed_up:
         warm_up()
-        # The first timing right after the warm-up still read fast in some runs (a grouped
-        # GEMM at 632-647 TFLOP/s against 583-607 for the same work timed later in the same
-        # rounds, 2026-11-26), so it is not used.
+        # The first timing right after the warm-up still read fast in some runs: the contender
+        # timed first read 632-647 TFLOP/s where the others, on the same problem, read 578-607;
+        # with the order swapped the other one read fast (RESULTS.md, 2026-11-26). Not used.
         triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
         _warmed_up = True
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
