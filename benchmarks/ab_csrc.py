@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_fp8 import padded_offsets  # noqa: E402
 from bench_grouped_mm import problem  # noqa: E402
-from common import MODELS, bench, environment, gmean, offsets, write_json  # noqa: E402
+from common import MODELS, environment, gmean, interleaved, offsets, write_json  # noqa: E402
 
 import compiled_moe as cm  # noqa: E402
 from compiled_moe import native  # noqa: E402
@@ -89,10 +89,7 @@ def main():
         fns = {b: (lambda b=b: timed(b)) for b in builds}
         if peer is not None:
             fns["torch"] = peer
-        best = {k: float("inf") for k in fns}
-        for _ in range(args.rounds):
-            for k, fn in fns.items():
-                best[k] = min(best[k], bench(fn))
+        best = interleaved(fns, args.rounds)
         native.kernel = builds["new"]
         tf = {k: flops / t / 1e9 for k, t in best.items()}
         rows.append(dict(case=name, pas=pas, ms=best, tflops=tf))

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_fp8 import padded_offsets, problem  # noqa: E402
-from common import MODELS, bench, gmean, offsets  # noqa: E402
+from common import MODELS, gmean, interleaved, offsets  # noqa: E402
 
 import compiled_moe as cm  # noqa: E402
 from compiled_moe.kernels import grouped_mm_sm90, scaled_grouped_mm_sm90 as fp8_sm90  # noqa: E402
@@ -87,11 +87,7 @@ def main() -> None:
             f()
         torch.cuda.synchronize()
         same = all(torch.equal(outs[variants[0]], outs[v]) for v in variants)
-        times = {v: [] for v in fns}
-        for _ in range(args.rounds):
-            for v, f in fns.items():
-                times[v].append(bench(f))
-        tf = {v: flops / (min(t) * 1e-3) / 1e12 for v, t in times.items()}
+        tf = {v: flops / (t * 1e-3) / 1e12 for v, t in interleaved(fns, args.rounds).items()}
         rows.append(tf)
         print(f"{shape.name} T={shape.tokens} {routing} {proj}".ljust(42)
               + " ".join(f"{name(v)}: {tf[v]:5.0f} ({tf[v] / tf[variants[0]]:.3f})" for v in fns)

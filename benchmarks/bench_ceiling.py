@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_grouped_mm import problem  # noqa: E402
-from common import MODELS, bench, environment, gmean, offsets, write_json  # noqa: E402
+from common import MODELS, environment, gmean, interleaved, offsets, write_json  # noqa: E402
 
 import compiled_moe as cm  # noqa: E402
 
@@ -52,11 +52,7 @@ def best_of(fns: dict, rounds: int, show_kernels: bool = False) -> dict:
     if show_kernels:
         for k, fn in fns.items():
             print(f"  kernels of {k}: {'; '.join(n[:160] for n in kernel_names(fn))}", flush=True)
-    best = {k: float("inf") for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            best[k] = min(best[k], bench(fn))
-    return best
+    return interleaved(fns, rounds)
 
 
 def rel_err(a, b):
