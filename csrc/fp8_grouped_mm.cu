@@ -181,12 +181,10 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
     // same process against the kernel without it (benchmarks/ab_csrc.py): 1.04-1.09x on the
     // Qwen3 and GPT-OSS skewed shapes, 1.026x geometric mean over the 16 forward cases.
     if (__shfl_sync(0xffffffffu, row0 >= tile.row_end, 0)) {
-      for (int kb = 0; kb < num_kb; ++kb) {
-        mbar_wait(&full[stage], phase);
-        mbar_arrive_if(&empty[stage], lane == 0);
-        if constexpr (CLUSTER > 1) mbar_arrive_remote_if(&empty[stage], rank ^ 1, lane == 0);
-        if (++stage == num_stages) { stage = 0; phase ^= 1; }
-      }
+      pass_steps(num_kb, stage, phase, num_stages, full, [&](int s) {
+        mbar_arrive_if(&empty[s], lane == 0);
+        if constexpr (CLUSTER > 1) mbar_arrive_remote_if(&empty[s], rank ^ 1, lane == 0);
+      });
       continue;
     }
     const int r0 = row0 + frag_row, r1 = r0 + 8;

@@ -368,11 +368,7 @@ __device__ __forceinline__ void grouped_mm_fwd(
     // skip; the test is uniform for ptxas). A separate instantiation: see
     // configs.grouped_mm_sm90_config for where it runs and what it measured.
     if (SKIP_PAST_ROWS && __shfl_sync(0xffffffffu, row0 >= tile.row_end, 0)) {
-      for (int kb = 0; kb < num_kb; ++kb) {
-        mbar_wait(&full[stage], phase);
-        mbar_arrive_if(&empty[stage], lane == 0);
-        if (++stage == num_stages) { stage = 0; phase ^= 1; }
-      }
+      pass_steps(num_kb, stage, phase, num_stages, full, [&](int s) { mbar_arrive_if(&empty[s], lane == 0); });
       continue;
     }
 #pragma unroll

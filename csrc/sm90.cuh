@@ -207,6 +207,18 @@ __device__ __forceinline__ void stage_fragment_fp32(unsigned char* staging, cons
   }
 }
 
+// A consumer with no rows in a tile: waits for each of its `steps` stages and hands it back
+// unread; release(s) signals stage s's release (predicated arrivals: see mbar_arrive_if).
+template <typename Release>
+__device__ __forceinline__ void pass_steps(int steps, int& stage, u32& phase, int num_stages, u64* full,
+                                           Release&& release) {
+  for (int i = 0; i < steps; ++i) {
+    mbar_wait(&full[stage], phase);
+    release(stage);
+    if (++stage == num_stages) { stage = 0; phase ^= 1; }
+  }
+}
+
 // The tile list of all groups, in shared memory: tile_end[g] is the inclusive prefix over groups
 // of (row tiles x column tiles); row_start / row_end are the group's rows clamped to [0, M).
 struct Schedule {
