@@ -39,7 +39,7 @@ class TileConfig:
     ctas_per_sm: int = 1  # persistent programs per SM: 2 lets one's epilogue overlap the other
     epilogue_tma: int = 0  # fused FC1: epilogue tiles (h, out) by TMA instead of pointers
     cluster: int = 1  # CUDA kernels: CTAs of a cluster that share an operand tile by TMA multicast
-    skip_past_rows: int = 0  # CUDA bf16 forward: the instantiation of grouped_mm_sm90_config
+    skip_past_rows: int = 0  # CUDA bf16 forward/dgrad: 1 runs the kernel whose idle consumer skips
 
     def __str__(self) -> str:
         return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} BLOCK_K={self.block_k} "
