@@ -3,16 +3,19 @@ another directory (for instance `mkdir old && git show HEAD~1:csrc/grouped_mm.cu
 with every *.cuh beside them). Both builds run through the package's own launch code, on the
 same inputs, in interleaved rounds (best of the rounds' medians); outputs must be bitwise equal.
 
-Cases: bf16 forward and dgrad (`grouped_mm`), FP8 blockwise forward (`scaled_grouped_mm`),
-every model shape x {uniform, skewed} x {fc1, fc2}; `torch._grouped_mm` is timed beside the
-bf16 ones so that the ratios to it can be read off the same run.
+Cases: bf16 forward, dgrad and weight gradient (`grouped_mm`, `grouped_mm_wgrad`), FP8
+blockwise forward (`scaled_grouped_mm`), every model shape x {uniform, skewed} x {fc1, fc2};
+`torch._grouped_mm` is timed beside the bf16 ones so that the ratios to it can be read off the
+same run.
 
     python benchmarks/ab_csrc.py OLD_DIR [--rounds 3] [--json out.json]
+        [--passes forward dgrad wgrad "fp8 forward"] [--models Qwen3 ...] [--tokens 8192]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import math
@@ -31,6 +34,9 @@ import compiled_moe as cm  # noqa: E402
 from compiled_moe import native  # noqa: E402
 
 
+PASSES = ["forward", "dgrad", "wgrad", "fp8 forward"]
+
+
 def kernels_from(directory: Path):
     """A stand-in for native.kernel that loads csrc/<name>.cu from ``directory``."""
     from cuda.core import ObjectCode
@@ -44,8 +50,10 @@ def kernels_from(directory: Path):
     return kernel
 
 
-def cases():
-    for shape, routing, proj in itertools.product(MODELS, ("uniform", "skewed"), ("fc1", "fc2")):
+def cases(models, tokens, passes):
+    for shape, routing, proj in itertools.product(models, ("uniform", "skewed"), ("fc1", "fc2")):
+        if tokens:
+            shape = dataclasses.replace(shape, tokens=tokens)
         M, K, N, G = problem(shape, proj)
         torch.manual_seed(0)
         w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16) / math.sqrt(K)
@@ -53,11 +61,16 @@ def cases():
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         flops = 2 * M * K * N
-        name = f"{shape.name} {routing} {proj}"
+        name = f"{shape.name} T={shape.tokens} {routing} {proj}"
         yield (name, "forward", flops, lambda x=x, w=w, o=offs: cm.grouped_mm(x, w.mT, o),
                lambda x=x, w=w, o=offs: torch._grouped_mm(x, w.mT, o))
         yield (name, "dgrad", flops, lambda dy=dy, w=w, o=offs: cm.grouped_mm(dy, w, o),
                lambda dy=dy, w=w, o=offs: torch._grouped_mm(dy, w, o))
+        # The weight gradient in the weight's (G, N, K) layout, as autograd asks for it.
+        yield (name, "wgrad", flops, lambda x=x, dy=dy, o=offs: cm.grouped_mm_wgrad(dy, x, o),
+               lambda x=x, dy=dy, o=offs: torch._grouped_mm(dy.mT, x, o))
+        if "fp8 forward" not in passes:
+            continue
         poffs, PM = padded_offsets(M, G, routing)
         xp = torch.randn(PM, K, device="cuda", dtype=torch.bfloat16)
         xq = cm.grouped_quantize(xp, poffs, "fp8_blockwise", rowwise=True, columnwise=False)
@@ -72,10 +85,16 @@ def main():
     p.add_argument("old", type=Path, help="directory with the other build's csrc/*.cu and *.cuh")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json")
+    p.add_argument("--passes", nargs="*", default=PASSES, choices=PASSES)
+    p.add_argument("--models", nargs="*", help="name prefixes of the shapes to run (default: all)")
+    p.add_argument("--tokens", type=int, help="tokens of every shape instead of its own")
     args = p.parse_args()
+    models = [m for m in MODELS if not args.models or any(m.name.startswith(n) for n in args.models)]
     builds = {"new": native.kernel, "old": kernels_from(args.old.resolve())}
     rows = []
-    for name, pas, flops, ours, peer in cases():
+    for name, pas, flops, ours, peer in cases(models, args.tokens, args.passes):
+        if pas not in args.passes:
+            continue
         outs = {}
 
         def timed(build):  # every call of a build's function first selects its kernels
@@ -98,7 +117,7 @@ def main():
             line += f"  torch {tf['torch']:5.0f} new/torch {best['torch'] / best['new']:.3f} old/torch {best['torch'] / best['old']:.3f}"
         print(line, flush=True)
     print("\ngeometric means (time ratios, > 1: the first is faster)")
-    for pas in ("forward", "dgrad", "fp8 forward"):
+    for pas in args.passes:
         sel = [r["ms"] for r in rows if r["pas"] == pas]
         line = f"{pas:12s} new/old {gmean([m['old'] / m['new'] for m in sel]):.3f}"
         if "torch" in sel[0]:
