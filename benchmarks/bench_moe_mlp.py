@@ -104,6 +104,7 @@ def kernel_rows(models, tokens_override):
                                                           *extra)) * 1e3
         r["fc1_unfused_us"] = bench(lambda: ops.moe_activation(cm.grouped_mm(x, w1.mT, offs),
                                                                act, layout)) * 1e3
+        r["fc1_gemm_us"] = bench(lambda: cm.grouped_mm(x, w1.mT, offs)) * 1e3
         r["dgrad_fused_us"] = bench(lambda: ops.moe_mlp_fc2_dgrad(dy, w2, h, offs, None,
                                                                   *extra)) * 1e3
         r["dgrad_fused_probs_us"] = bench(lambda: ops.moe_mlp_fc2_dgrad(dy, w2, h, offs, probs,
@@ -113,7 +114,7 @@ def kernel_rows(models, tokens_override):
             ops.moe_activation(h, act, layout))) * 1e3
         rows.append(r)
         print(f"{shape.name:16s} M={m:6d} {act:8s} | FC1+act fused {r['fc1_fused_us']:8.1f} us "
-              f"unfused {r['fc1_unfused_us']:8.1f} | FC2 dgrad+act bwd fused "
+              f"unfused {r['fc1_unfused_us']:8.1f} (GEMM {r['fc1_gemm_us']:.1f}) | FC2 dgrad+act bwd fused "
               f"{r['dgrad_fused_us']:8.1f} ({r['dgrad_fused_probs_us']:.1f} with probs) unfused "
               f"{r['dgrad_unfused_us']:8.1f}")
     return rows

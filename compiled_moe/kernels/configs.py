@@ -161,6 +161,22 @@ def mlp_gathers_input(inter: int) -> bool:
     return inter <= 4096
 
 
+# FC2's multiply-adds (rows x H x I) from which the fused expert MLP runs FC2's forward and
+# input-gradient GEMMs on the CUDA kernel: about 50 us of GPU time on an H200.
+FUSED_MLP_FC2_CUDA_MACS = 2 ** 34
+
+
+def fused_mlp_fc2_on_cuda(macs: int) -> bool:
+    """Whether moe_mlp runs FC2's grouped GEMMs on the Hopper CUDA kernel (csrc/grouped_mm.cu)
+    rather than the Triton one; either way only where the CUDA kernel applies.
+
+    In a compiled graph the CUDA kernel is an opaque op: each call goes back into Python, about
+    20-80 us of host time under cpp_wrapper (RESULTS.md, host time), where inductor launches the
+    Triton kernel itself. So small problems, whose graphs wait on the host, keep Triton. Large
+    ones take the CUDA kernel: GPU time, H200, skewed routing: RESULTS.md (fused MLP)."""
+    return macs >= FUSED_MLP_FC2_CUDA_MACS
+
+
 def fp8_group_rows(num_experts: int) -> int:
     """The row multiple the FP8 experts block rounds each expert's group up to (moe_route's
     pad_multiple; at least 16, so the FP8 weight-gradient kernel reads groups by TMA).

@@ -86,7 +86,16 @@ def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor, bias: Optional[Tensor] = Non
     _check_grouped_mm(a, b, offs, bias, out_dtype)
     if not use_kernel(a):
         return reference.grouped_mm(a, b, offs, bias, out_dtype)
-    if _sm90().supported(a, b, bias, out_dtype or a.dtype):
+    return grouped_mm_on_device(a, b, offs, bias, out_dtype)
+
+
+def grouped_mm_on_device(a: Tensor, b: Tensor, offs: Tensor, bias: Optional[Tensor] = None,
+                         out_dtype: Optional[torch.dtype] = None, cuda: bool = True) -> Tensor:
+    """grouped_mm's GPU path, also for the bodies of ops that run a grouped GEMM inside (the
+    caller has checked the arguments): the Hopper CUDA kernel where it applies and ``cuda``
+    allows it, else the Triton kernel (which a compiled graph launches itself, without a
+    call back into Python)."""
+    if cuda and _sm90().supported(a, b, bias, out_dtype or a.dtype):
         return torch.ops.compiled_moe.grouped_mm_sm90(a, b, offs, bias, out_dtype)
     out = a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or a.dtype)
     _kernels().grouped_mm(a, b, offs, bias, out)

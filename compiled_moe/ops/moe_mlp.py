@@ -26,6 +26,8 @@ import torch
 from torch import Tensor
 
 from compiled_moe import reference
+from compiled_moe.kernels.configs import fused_mlp_fc2_on_cuda, size_hint
+from compiled_moe.ops.grouped_mm import grouped_mm_on_device
 from compiled_moe.ops._dispatch import (
     check_offs,
     check_same_device,
@@ -95,10 +97,21 @@ def check_inputs(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, sou
                       row_of=row_of)
 
 
+def _rows(x, source):
+    return x.shape[0] if source is None else source.shape[0]
+
+
 def _outputs(x, w1, activation, source, save_h):
-    rows = x.shape[0] if source is None else source.shape[0]
+    rows = _rows(x, source)
     h = x.new_empty((rows if save_h else 0, w1.shape[1]))
     return x.new_empty((rows, x.shape[1])), h
+
+
+def _fc2_on_cuda(rows_operand: Tensor, w2: Tensor) -> bool:
+    """FC2's grouped GEMMs (forward and input gradient) on the CUDA kernel where it applies
+    and the problem is large enough (configs.fused_mlp_fc2_on_cuda says why)."""
+    rows = size_hint(rows_operand.shape[0])
+    return fused_mlp_fc2_on_cuda(rows * size_hint(w2.shape[1]) * size_hint(w2.shape[2]))
 
 
 # ---------------------------------------------------------------------------- moe_mlp
@@ -118,14 +131,12 @@ def _moe_mlp(x: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, activation: str,
         y, h = reference.moe_mlp(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2,
                                  source, top_k, alpha, limit)
         return y, (h if save_h else h[:0])
-    from compiled_moe.kernels import grouped_mm as gmm
-
-    y, h = _outputs(x, w1, activation, source, save_h)
-    a = x.new_empty((y.shape[0], w2.shape[2]))
+    _, h = _outputs(x, w1, activation, source, save_h)
+    a = x.new_empty((_rows(x, source), w2.shape[2]))
     _kernels().mlp_fc1(x, source, top_k, w1, offs, b1,
                        None if probs is None else probs.contiguous(), h if save_h else None, a,
                        activation, gate_up_layout, alpha, limit)
-    gmm.grouped_mm(a, w2.transpose(-2, -1), offs, b2, y)
+    y = grouped_mm_on_device(a, w2.transpose(-2, -1), offs, b2, cuda=_fc2_on_cuda(a, w2))
     return y, h
 
 
@@ -254,11 +265,10 @@ def _moe_mlp_fc2_dgrad(dy: Tensor, w2: Tensor, h: Tensor, offs: Tensor, probs: O
         if dprobs is None:
             dprobs = h.new_empty((0,), dtype=torch.float32)
         return dh, a, dprobs.to(torch.float32)
-    from compiled_moe.kernels import activations, grouped_mm as gmm
+    from compiled_moe.kernels import activations
 
     dh, a, dprobs = _dgrad_outputs(dy, w2, h, probs)
-    da = dy.new_empty((dy.shape[0], w2.shape[2]))
-    gmm.grouped_mm(dy, w2, offs, None, da)
+    da = grouped_mm_on_device(dy, w2, offs, cuda=_fc2_on_cuda(dy, w2))
     activations.activation_backward(da, h, dh, activation, gate_up_layout, alpha, limit,
                                     act_out=a, probs=probs,
                                     dprobs=dprobs if probs is not None else None)
