@@ -90,9 +90,9 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
             see ``kernels.configs.mlp_gathers_input``) and applies the activation in its
             epilogue; backward keeps only FC1's output and recomputes the activation in one
             pass with its backward). Needs a named activation and no FP8 recipe; None (the
-            default) picks it whenever those hold. It keeps 0.39-0.71x the memory for backward
+            default) picks it whenever those hold. It keeps 0.35-0.71x the memory for backward
             of the unfused path at about the same speed (H200, compiled forward+backward
-            0.96-1.00x over the four model shapes, forward 0.96-1.14x; benchmarks/RESULTS.md).
+            0.97-1.00x over the four model shapes, forward 0.91-1.05x; benchmarks/RESULTS.md).
         fp8_weights: with fp8_recipe, ``(quantize_weight(w1, recipe), quantize_weight(w2,
             recipe))`` computed beforehand (once per optimizer step for several micro-batches);
             None quantizes the weights in the call.

@@ -60,6 +60,42 @@ def test_moe_mlp_gpu_forward_backward(activation, layout, biases, probs, dtype):
         assert_matches_oracle(g, w, s, atol=1e-2)
 
 
+@pytest.mark.parametrize("activation,layout", [("swiglu", "stacked"), ("gpt_oss", "interleaved")])
+def test_moe_mlp_fc2_on_cuda_kernel(monkeypatch, activation, layout):
+    """FC2's forward and input-gradient GEMMs on the CUDA kernel (what large problems run) give
+    the Triton kernel's results, forward and backward, and the oracle's."""
+    from compiled_moe.kernels import configs
+
+    inp = _mlp_inputs(3000, 512, 384, 12, activation, torch.bfloat16, True, True)
+    names = [n for n in ("x_sorted", "w1", "w2", "probs", "b1", "b2") if inp[n] is not None]
+    for n in names:
+        inp[n].requires_grad_(True)
+    kw = dict(activation=activation, gate_up_layout=layout)
+    grad = torch.randn_like(inp["x_sorted"])
+    from compiled_moe.kernels import grouped_mm_sm90
+    fc2_in = inp["x_sorted"].new_empty(3000, 384)
+    assert grouped_mm_sm90.supported(fc2_in, inp["w2"].mT, inp["b2"], torch.bfloat16)
+    assert grouped_mm_sm90.supported(grad, inp["w2"], None, torch.bfloat16)
+    results = {}
+    for macs in (0, 2 ** 62):  # CUDA kernel, then Triton
+        monkeypatch.setattr(configs, "FUSED_MLP_FC2_CUDA_MACS", macs)
+        with no_sync():
+            out = cm.moe_mlp(**inp, **kw)
+            results[macs] = (out, *torch.autograd.grad(out, [inp[n] for n in names], grad))
+    for cuda, triton in zip(results[0], results[2 ** 62]):
+        torch.testing.assert_close(cuda, triton, rtol=0, atol=0)
+    oracles = []
+    for dtype in (torch.float64, None):  # the reference on CPU: float64, then bf16
+        leaves = {n: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for n, v in inp.items()}
+        for n in names:
+            leaves[n] = leaves[n].to(dtype or leaves[n].dtype).requires_grad_(True)
+        ref = cm.moe_mlp(**leaves, **kw)
+        ref_grads = torch.autograd.grad(ref, [leaves[n] for n in names], grad.cpu().to(ref.dtype))
+        oracles.append((ref.detach(), *ref_grads))
+    for got, want, same in zip(results[0], *oracles):
+        assert_matches_oracle(got, want, same, atol=1e-2)
+
+
 def test_moe_mlp_weight_views_and_fp32():
     """Transposed weight views (no TMA on them) and fp32 give the contiguous weights' result."""
     inp = _mlp_inputs(700, 128, 96, 5, "swiglu", torch.float32, True, True)
