@@ -60,27 +60,47 @@ def test_moe_mlp_gpu_forward_backward(activation, layout, biases, probs, dtype):
         assert_matches_oracle(g, w, s, atol=1e-2)
 
 
-@pytest.mark.parametrize("activation,layout", [("swiglu", "stacked"), ("gpt_oss", "interleaved")])
-def test_moe_mlp_fc2_on_cuda_kernel(monkeypatch, activation, layout):
-    """FC2's forward and input-gradient GEMMs on the CUDA kernel (what large problems run) give
-    the Triton kernel's results, forward and backward, and the oracle's."""
-    from compiled_moe.kernels import configs
+def _moe_mlp_op(inp, activation, layout, source=None, row_of=None):
+    """The op itself, which also reads rows through a routing map (moe_experts' path)."""
+    return torch.ops.compiled_moe.moe_mlp(inp["x_sorted"], inp["offs"], inp["w1"], inp["w2"],
+                                          activation, layout, inp["probs"], inp["b1"], inp["b2"],
+                                          source, row_of)[0]
 
-    inp = _mlp_inputs(3000, 512, 384, 12, activation, torch.bfloat16, True, True)
+
+@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("activation,layout", [("swiglu", "stacked"), ("gpt_oss", "interleaved")])
+def test_moe_mlp_gemms_on_cuda_kernel(monkeypatch, activation, layout, gather):
+    """FC1 (the CUDA GEMM, then the activation kernel) and FC2's forward and input-gradient
+    GEMMs on the CUDA kernel, what large problems run, give the Triton kernels' results,
+    forward and backward, and the oracle's; with rows read through a routing map too."""
+    from compiled_moe.kernels import configs, grouped_mm_sm90
+
+    rows, hidden, inter = 3000, 512, 384
+    inp = _mlp_inputs(rows, hidden, inter, 12, activation, torch.bfloat16, True, True)
+    route = {}
+    if gather:  # 1500 tokens, 2 slots each, in a shuffled order; every 97th sorted row dropped
+        gen = torch.Generator().manual_seed(1)
+        source = torch.randperm(rows, generator=gen).to(torch.int32)
+        source[::97] = -1
+        row_of = torch.full((rows // 2, 2), -1, dtype=torch.int32)
+        kept = source >= 0
+        row_of.view(-1)[source[kept].long()] = torch.arange(rows, dtype=torch.int32)[kept]
+        route = dict(source=source, row_of=row_of)
+        inp["x_sorted"] = inp["x_sorted"][: rows // 2].clone()
     names = [n for n in ("x_sorted", "w1", "w2", "probs", "b1", "b2") if inp[n] is not None]
     for n in names:
         inp[n].requires_grad_(True)
-    kw = dict(activation=activation, gate_up_layout=layout)
-    grad = torch.randn_like(inp["x_sorted"])
-    from compiled_moe.kernels import grouped_mm_sm90
-    fc2_in = inp["x_sorted"].new_empty(3000, 384)
-    assert grouped_mm_sm90.supported(fc2_in, inp["w2"].mT, inp["b2"], torch.bfloat16)
-    assert grouped_mm_sm90.supported(grad, inp["w2"], None, torch.bfloat16)
+    grad = torch.randn(rows, hidden, device=DEV, dtype=torch.bfloat16)
+    bf16 = torch.bfloat16
+    assert grouped_mm_sm90.supported(grad.new_empty(rows, inter), inp["w2"].mT, inp["b2"], bf16)
+    assert grouped_mm_sm90.supported(grad, inp["w2"], None, bf16)
+    assert grouped_mm_sm90.supported(grad, inp["w1"].mT, inp["b1"], bf16)
+    monkeypatch.setattr(configs, "FUSED_MLP_FC1_CUDA_MIN_INTER", 0)
     results = {}
-    for macs in (0, 2 ** 62):  # CUDA kernel, then Triton
-        monkeypatch.setattr(configs, "FUSED_MLP_FC2_CUDA_MACS", macs)
+    for macs in (0, 2 ** 62):  # the CUDA kernel, then Triton
+        monkeypatch.setattr(configs, "FUSED_MLP_CUDA_GEMM_MACS", macs)
         with no_sync():
-            out = cm.moe_mlp(**inp, **kw)
+            out = _moe_mlp_op(inp, activation, layout, **{n: t.to(DEV) for n, t in route.items()})
             results[macs] = (out, *torch.autograd.grad(out, [inp[n] for n in names], grad))
     for cuda, triton in zip(results[0], results[2 ** 62]):
         torch.testing.assert_close(cuda, triton, rtol=0, atol=0)
@@ -89,7 +109,7 @@ def test_moe_mlp_fc2_on_cuda_kernel(monkeypatch, activation, layout):
         leaves = {n: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for n, v in inp.items()}
         for n in names:
             leaves[n] = leaves[n].to(dtype or leaves[n].dtype).requires_grad_(True)
-        ref = cm.moe_mlp(**leaves, **kw)
+        ref = _moe_mlp_op(leaves, activation, layout, **route)
         ref_grads = torch.autograd.grad(ref, [leaves[n] for n in names], grad.cpu().to(ref.dtype))
         oracles.append((ref.detach(), *ref_grads))
     for got, want, same in zip(results[0], *oracles):

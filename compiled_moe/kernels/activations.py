@@ -118,12 +118,13 @@ def _activation_kernel(h_ptr, grad_ptr, out_ptr, act_ptr, probs_ptr, dprobs_ptr,
                        ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
                        BACKWARD: tl.constexpr, RECOMPUTE: tl.constexpr, HAS_PROBS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Forward: out (M, I) = act(h). Backward: out (M, N1) = d act / d h * grad (M, I), with
+    """Forward: out (M, I) = act(h) (* probs). Backward: out (M, N1) = d act / d h * grad (M, I), with
     grad scaled by probs (M,) when given, and optionally in the same pass (h read once):
     act (M, I) = act(h) (* probs) and dprobs (M,) = <grad, act(h)> per row (fp32).
 
-    Programs own BLOCK_M rows and BLOCK_N output columns; with probs, every column of their
-    rows (the grid has one column program), so dprobs is a whole row's sum in a fixed order.
+    Programs own BLOCK_M rows and BLOCK_N output columns; in backward with probs, every column
+    of their rows (the grid has one column program), so dprobs is a whole row's sum in a fixed
+    order.
     """
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rm < M
@@ -171,9 +172,11 @@ def _activation_kernel(h_ptr, grad_ptr, out_ptr, act_ptr, probs_ptr, dprobs_ptr,
                 tl.store(out_rows + rn[None, :],
                          plain_backward(g, da, ACT).to(out_ptr.dtype.element_ty), mask=mask)
         else:
+            if HAS_PROBS:
+                a = a * tl.load(probs_ptr + rm, mask=row_ok, other=0.0).to(tl.float32)[:, None]
             tl.store(out_ptr + rm64 * stride_out + rn[None, :], a.to(out_ptr.dtype.element_ty),
                      mask=mask)
-    if HAS_PROBS:
+    if BACKWARD and HAS_PROBS:
         tl.store(dprobs_ptr + rm, dot, mask=row_ok)
 
 
@@ -190,7 +193,9 @@ def _launch(h, grad, out, activation, gate_up_layout, alpha, limit, backward, ac
         grad = grad.contiguous()
     cfg = activation_config(size_hint(inter), h.device.type)
     has_probs = probs is not None
-    grid = (triton.cdiv(M, cfg.block_m), 1 if has_probs else triton.cdiv(inter, cfg.block_n))
+    # Backward with probs: one column program a row block, so dprobs sums in a fixed order.
+    grid = (triton.cdiv(M, cfg.block_m),
+            1 if has_probs and backward else triton.cdiv(inter, cfg.block_n))
     wrap_triton(_activation_kernel)[grid](
         h, grad if backward else h, out, act_out if act_out is not None else out,
         probs.contiguous() if has_probs else h, dprobs if has_probs else h, M, inter,
@@ -203,9 +208,9 @@ def _launch(h, grad, out, activation, gate_up_layout, alpha, limit, backward, ac
 
 
 def activation_forward(h: torch.Tensor, out: torch.Tensor, activation: str, gate_up_layout: str,
-                       alpha: float, limit: float) -> None:
-    """out (M, I) = act(h (M, N1))."""
-    _launch(h, None, out, activation, gate_up_layout, alpha, limit, backward=False)
+                       alpha: float, limit: float, probs: torch.Tensor | None = None) -> None:
+    """out (M, I) = act(h (M, N1)) (* probs (M,))."""
+    _launch(h, None, out, activation, gate_up_layout, alpha, limit, backward=False, probs=probs)
 
 
 def activation_backward(grad: torch.Tensor, h: torch.Tensor, out: torch.Tensor, activation: str,

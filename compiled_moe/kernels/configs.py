@@ -161,14 +161,18 @@ def mlp_gathers_input(inter: int) -> bool:
     return inter <= 4096
 
 
-# FC2's multiply-adds (rows x H x I) from which the fused expert MLP runs FC2's forward and
-# input-gradient GEMMs on the CUDA kernel: about 50 us of GPU time on an H200.
-FUSED_MLP_FC2_CUDA_MACS = 2 ** 34
+# A grouped GEMM's multiply-adds from which the fused expert MLP runs it on the CUDA kernel:
+# about 50 us of GPU time on an H200.
+FUSED_MLP_CUDA_GEMM_MACS = 2 ** 34
+# The intermediate size from which the fused MLP's FC1 is the CUDA GEMM plus the activation
+# kernel instead of the fused Triton FC1 (see fused_mlp_fc1_on_cuda).
+FUSED_MLP_FC1_CUDA_MIN_INTER = 2048
 
 
 def fused_mlp_fc2_on_cuda(macs: int) -> bool:
-    """Whether moe_mlp runs FC2's grouped GEMMs on the Hopper CUDA kernel (csrc/grouped_mm.cu)
-    rather than the Triton one; either way only where the CUDA kernel applies.
+    """Whether moe_mlp runs FC2's grouped GEMMs (forward and input gradient) on the Hopper CUDA
+    kernel (csrc/grouped_mm.cu) rather than the Triton one; either way only where the CUDA
+    kernel applies.
 
     In a compiled graph the CUDA kernel is an opaque op: each call goes back into Python, about
     20-80 us of host time under cpp_wrapper (RESULTS.md, host time), where inductor launches the
@@ -176,7 +180,20 @@ def fused_mlp_fc2_on_cuda(macs: int) -> bool:
     ones take the CUDA kernel: compiled fused experts block, H200, skewed routing, CUDA over
     Triton, forward 1.00-1.05x (Qwen3 T = 8192: 1.05x), forward+backward 1.00-1.01x, outputs
     bitwise equal (RESULTS.md, fused MLP)."""
-    return macs >= FUSED_MLP_FC2_CUDA_MACS
+    return macs >= FUSED_MLP_CUDA_GEMM_MACS
+
+
+def fused_mlp_fc1_on_cuda(macs: int, inter: int) -> bool:
+    """Whether moe_mlp's forward runs FC1 as the CUDA grouped GEMM (rows gathered first when
+    the op gathers them, into a buffer freed after FC1), then the activation kernel, instead
+    of the fused Triton FC1. Backward and the memory it keeps are the same either way.
+
+    H200, skewed routing, us (benchmarks/bench_moe_mlp.py --kernels: the fused Triton FC1
+    against grouped_mm + moe_activation on sorted rows): DeepSeek-V3 (I = 2048) 3237 against
+    3149, Mixtral (I = 14336) 3261 against 3206, GPT-OSS (I = 2880) 1690 against 1537; Qwen3
+    (I = 768) 815 against 854, so it keeps the fused kernel. Small problems keep it for the
+    host time (fused_mlp_fc2_on_cuda)."""
+    return macs >= FUSED_MLP_CUDA_GEMM_MACS and inter >= FUSED_MLP_FC1_CUDA_MIN_INTER
 
 
 def fp8_group_rows(num_experts: int) -> int:

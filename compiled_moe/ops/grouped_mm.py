@@ -89,13 +89,20 @@ def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor, bias: Optional[Tensor] = Non
     return grouped_mm_on_device(a, b, offs, bias, out_dtype)
 
 
+def cuda_kernel_applies(a: Tensor, b: Tensor, bias: Optional[Tensor], out_dtype: torch.dtype
+                        ) -> bool:
+    """Whether grouped_mm's operands suit the Hopper CUDA kernel (device, dtypes, strides;
+    known while tracing)."""
+    return _sm90().supported(a, b, bias, out_dtype)
+
+
 def grouped_mm_on_device(a: Tensor, b: Tensor, offs: Tensor, bias: Optional[Tensor] = None,
                          out_dtype: Optional[torch.dtype] = None, cuda: bool = True) -> Tensor:
     """grouped_mm's GPU path, also for the bodies of ops that run a grouped GEMM inside (the
     caller has checked the arguments): the Hopper CUDA kernel where it applies and ``cuda``
     allows it, else the Triton kernel (which a compiled graph launches itself, without a
     call back into Python)."""
-    if cuda and _sm90().supported(a, b, bias, out_dtype or a.dtype):
+    if cuda and cuda_kernel_applies(a, b, bias, out_dtype or a.dtype):
         return torch.ops.compiled_moe.grouped_mm_sm90(a, b, offs, bias, out_dtype)
     out = a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or a.dtype)
     _kernels().grouped_mm(a, b, offs, bias, out)

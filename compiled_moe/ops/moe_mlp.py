@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 
 from compiled_moe import reference
-from compiled_moe.kernels.configs import fused_mlp_fc2_on_cuda, size_hint
-from compiled_moe.ops.grouped_mm import grouped_mm_on_device
+from compiled_moe.kernels.configs import fused_mlp_fc1_on_cuda, fused_mlp_fc2_on_cuda, size_hint
+from compiled_moe.ops.grouped_mm import cuda_kernel_applies, grouped_mm_on_device
 from compiled_moe.ops._dispatch import (
     check_offs,
     check_same_device,
@@ -107,11 +107,23 @@ def _outputs(x, w1, activation, source, save_h):
     return x.new_empty((rows, x.shape[1])), h
 
 
+def _macs(rows_operand: Tensor, w: Tensor) -> int:
+    return size_hint(rows_operand.shape[0]) * size_hint(w.shape[1]) * size_hint(w.shape[2])
+
+
 def _fc2_on_cuda(rows_operand: Tensor, w2: Tensor) -> bool:
     """FC2's grouped GEMMs (forward and input gradient) on the CUDA kernel where it applies
     and the problem is large enough (configs.fused_mlp_fc2_on_cuda says why)."""
-    rows = size_hint(rows_operand.shape[0])
-    return fused_mlp_fc2_on_cuda(rows * size_hint(w2.shape[1]) * size_hint(w2.shape[2]))
+    return fused_mlp_fc2_on_cuda(_macs(rows_operand, w2))
+
+
+def _fc1_on_cuda(x: Tensor, source: Optional[Tensor], w1: Tensor, b1: Optional[Tensor],
+                 a: Tensor) -> bool:
+    """FC1 as the CUDA GEMM plus the activation kernel (configs.fused_mlp_fc1_on_cuda), where
+    the CUDA kernel takes FC1's operands (gathered rows are a contiguous copy of x's)."""
+    rows = x if source is None else x.new_empty((0, x.shape[1]))
+    return (fused_mlp_fc1_on_cuda(_macs(a, w1), size_hint(a.shape[1]))
+            and cuda_kernel_applies(rows, w1.transpose(-2, -1), b1, x.dtype))
 
 
 # ---------------------------------------------------------------------------- moe_mlp
@@ -133,9 +145,22 @@ def _moe_mlp(x: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, activation: str,
         return y, (h if save_h else h[:0])
     _, h = _outputs(x, w1, activation, source, save_h)
     a = x.new_empty((_rows(x, source), w2.shape[2]))
-    _kernels().mlp_fc1(x, source, top_k, w1, offs, b1,
-                       None if probs is None else probs.contiguous(), h if save_h else None, a,
-                       activation, gate_up_layout, alpha, limit)
+    if _fc1_on_cuda(x, source, w1, b1, a):
+        from compiled_moe.kernels import activations, routing
+
+        rows = x
+        if source is not None:  # the gathered rows live until FC1 is done
+            rows = x.new_empty((a.shape[0], x.shape[1]))
+            routing.gather_rows(x, source, top_k, rows)
+        h_full = grouped_mm_on_device(rows, w1.transpose(-2, -1), offs, b1)
+        activations.activation_forward(h_full, a, activation, gate_up_layout, alpha, limit,
+                                       probs=None if probs is None else probs.contiguous())
+        if save_h:
+            h = h_full
+    else:
+        _kernels().mlp_fc1(x, source, top_k, w1, offs, b1,
+                           None if probs is None else probs.contiguous(),
+                           h if save_h else None, a, activation, gate_up_layout, alpha, limit)
     y = grouped_mm_on_device(a, w2.transpose(-2, -1), offs, b2, cuda=_fc2_on_cuda(a, w2))
     return y, h
 
