@@ -85,7 +85,7 @@ def test_moe_mlp_gemms_on_cuda_kernel(monkeypatch, activation, layout, gather):
         row_of = torch.full((rows // 2, 2), -1, dtype=torch.int32)
         kept = source >= 0
         row_of.view(-1)[source[kept].long()] = torch.arange(rows, dtype=torch.int32)[kept]
-        route = dict(source=source, row_of=row_of)
+        route = dict(source=source.to(DEV), row_of=row_of.to(DEV))
         inp["x_sorted"] = inp["x_sorted"][: rows // 2].clone()
     names = [n for n in ("x_sorted", "w1", "w2", "probs", "b1", "b2") if inp[n] is not None]
     for n in names:
@@ -100,7 +100,7 @@ def test_moe_mlp_gemms_on_cuda_kernel(monkeypatch, activation, layout, gather):
     for macs in (0, 2 ** 62):  # the CUDA kernel, then Triton
         monkeypatch.setattr(configs, "FUSED_MLP_CUDA_GEMM_MACS", macs)
         with no_sync():
-            out = _moe_mlp_op(inp, activation, layout, **{n: t.to(DEV) for n, t in route.items()})
+            out = _moe_mlp_op(inp, activation, layout, **route)
             results[macs] = (out, *torch.autograd.grad(out, [inp[n] for n in names], grad))
     for cuda, triton in zip(results[0], results[2 ** 62]):
         torch.testing.assert_close(cuda, triton, rtol=0, atol=0)
@@ -109,7 +109,7 @@ def test_moe_mlp_gemms_on_cuda_kernel(monkeypatch, activation, layout, gather):
         leaves = {n: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for n, v in inp.items()}
         for n in names:
             leaves[n] = leaves[n].to(dtype or leaves[n].dtype).requires_grad_(True)
-        ref = _moe_mlp_op(leaves, activation, layout, **route)
+        ref = _moe_mlp_op(leaves, activation, layout, **{n: t.cpu() for n, t in route.items()})
         ref_grads = torch.autograd.grad(ref, [leaves[n] for n in names], grad.cpu().to(ref.dtype))
         oracles.append((ref.detach(), *ref_grads))
     for got, want, same in zip(results[0], *oracles):
