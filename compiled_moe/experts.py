@@ -92,7 +92,7 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
             pass with its backward). Needs a named activation and no FP8 recipe; None (the
             default) picks it whenever those hold. It keeps 0.35-0.71x the memory for backward
             of the unfused path at about the same speed (H200, compiled forward+backward
-            0.97-1.00x over the four model shapes, forward 0.91-1.05x; benchmarks/RESULTS.md).
+            0.98-1.02x over the four model shapes, forward 0.98-1.06x; benchmarks/RESULTS.md).
         fp8_weights: with fp8_recipe, ``(quantize_weight(w1, recipe), quantize_weight(w2,
             recipe))`` computed beforehand (once per optimizer step for several micro-batches);
             None quantizes the weights in the call.

@@ -171,8 +171,10 @@ def moe_mlp(x_sorted: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, *, activatio
 
     Two kernels forward: FC1 computes the gate and up columns of an output index in one
     program and applies bias, activation and probs to its accumulators; FC2 is the grouped
-    GEMM. For backward only FC1's pre-activation (M, N1) is kept: the activation is recomputed
-    inside FC2's dgrad kernel, which also applies the activation backward.
+    GEMM. (Large problems with I >= 2048 run FC1 as the Hopper grouped GEMM, then the
+    activation kernel, which is faster there: ``kernels.configs.fused_mlp_fc1_on_cuda``.)
+    For backward only FC1's pre-activation (M, N1) is kept: the activation is recomputed in
+    one pass after FC2's input-gradient GEMM, which also applies the activation backward.
 
     Args:
         x_sorted: (M, H) bf16/fp16/fp32, expert-sorted rows (as after an expert-parallel

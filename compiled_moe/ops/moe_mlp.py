@@ -8,6 +8,10 @@ torch.ops.compiled_moe.moe_mlp_fc2_dgrad   (dh, a, dprobs): FC2's input gradient
 
 Forward is two kernels: the fused FC1 (gather, gate and up, bias, activation, probs; the
 activation never goes through memory as FC1 output and back) and the grouped GEMM for FC2.
+Large problems run their GEMMs on the Hopper CUDA kernel instead (kernels.configs:
+fused_mlp_fc1_on_cuda, fused_mlp_fc2_on_cuda): for wide experts FC1 is then the gather (into a
+buffer freed after FC1), the CUDA GEMM and the activation kernel, which beat the fused Triton
+FC1 there.
 Backward keeps only h (FC1's pre-activation). FC2's input gradient is the grouped GEMM; one
 pointwise kernel then reads it and h once and writes dh, the recomputed activation (FC2's
 weight-gradient operand) and dprobs. (The activation backward in the dgrad GEMM's epilogue was
