@@ -44,6 +44,24 @@ def test_kernels_interpreter(name, layout, dtype):
                           reference.activation_backward(grad, h, name, layout))
 
 
+@pytest.mark.parametrize("name,layout", [("swiglu", "stacked"), ("gpt_oss", "interleaved"),
+                                         ("relu2", "stacked")])
+def test_kernel_forward_with_probs_interpreter(name, layout):
+    """The forward kernel scales each row by its probability (the fused MLP's FC1 on the
+    Hopper GEMM path), in fp32 before the cast, as the fused FC1 does."""
+    from compiled_moe.kernels.activations import activation_forward
+
+    h = _h(21, 38, torch.float32)
+    probs = torch.rand(21, generator=torch.Generator().manual_seed(1))
+    inter = 19 if name in reference.GATED_ACTIVATIONS else 38
+    out = torch.empty(21, inter)
+    with kernels_on_cpu():
+        activation_forward(h, out, name, layout, reference.GPT_OSS_ALPHA,
+                           reference.GPT_OSS_LIMIT, probs=probs)
+    want = reference.activation(h.double(), name, layout) * probs.double()[:, None]
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_kernel_strided_rows_interpreter():
     """A row-strided view (FC1 output inside a wider buffer) reads correctly."""
     base = _h(9, 40, torch.float32)
