@@ -147,14 +147,15 @@ def _moe_mlp(x: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, activation: str,
         y, h = reference.moe_mlp(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2,
                                  source, top_k, alpha, limit)
         return y, (h if save_h else h[:0])
-    _, h = _outputs(x, w1, activation, source, save_h)
-    a = x.new_empty((_rows(x, source), w2.shape[2]))
+    rows_n = _rows(x, source)
+    a = x.new_empty((rows_n, w2.shape[2]))
+    h = x.new_empty((0, w1.shape[1]))  # what is kept without save_h
     if _fc1_on_cuda(x, source, w1, b1, a):
         from compiled_moe.kernels import activations, routing
 
         rows = x
         if source is not None:  # the gathered rows live until FC1 is done
-            rows = x.new_empty((a.shape[0], x.shape[1]))
+            rows = x.new_empty((rows_n, x.shape[1]))
             routing.gather_rows(x, source, top_k, rows)
         h_full = grouped_mm_on_device(rows, w1.transpose(-2, -1), offs, b1)
         activations.activation_forward(h_full, a, activation, gate_up_layout, alpha, limit,
@@ -162,6 +163,8 @@ def _moe_mlp(x: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, activation: str,
         if save_h:
             h = h_full
     else:
+        if save_h:
+            h = x.new_empty((rows_n, w1.shape[1]))
         _kernels().mlp_fc1(x, source, top_k, w1, offs, b1,
                            None if probs is None else probs.contiguous(),
                            h if save_h else None, a, activation, gate_up_layout, alpha, limit)
