@@ -49,7 +49,8 @@ class TileConfig:
                 f"skip_past_rows={self.skip_past_rows}")
 
 
-def _log(kind: str, key: tuple, cfg: TileConfig) -> None:
+def _log(kind: str, key: tuple, cfg: object) -> None:
+    """Print a heuristic's choice (a tile, or a path) under COMPILED_MOE_LOG_CONFIG=1."""
     if os.environ.get("COMPILED_MOE_LOG_CONFIG", "0") not in ("", "0"):
         print(f"compiled_moe: {kind} {key} -> {cfg}", file=sys.stderr)
 
@@ -158,7 +159,7 @@ def mlp_gathers_input(inter: int) -> bool:
     forward 1.05x; DeepSeek-V3 (I = 2048) and GPT-OSS (I = 2880) level; Mixtral (I = 14336)
     fused FC1 3.36 ms against 2.81 ms for the grouped GEMM plus 0.06 ms of permute.
     """
-    return inter <= 4096
+    return inter <= 4096  # no _log: moe_experts calls this where dynamo traces (guards)
 
 
 # A grouped GEMM's multiply-adds from which the fused expert MLP runs it on the CUDA kernel:
@@ -180,7 +181,9 @@ def fused_mlp_fc2_on_cuda(macs: int) -> bool:
     ones take the CUDA kernel: compiled fused experts block, H200, skewed routing, CUDA over
     Triton, forward 1.00-1.05x (Qwen3 T = 8192: 1.05x), forward+backward 1.00-1.01x, outputs
     bitwise equal (RESULTS.md, fused MLP)."""
-    return macs >= FUSED_MLP_CUDA_GEMM_MACS
+    on_cuda = macs >= FUSED_MLP_CUDA_GEMM_MACS
+    _log("fused_mlp_fc2_on_cuda", (macs,), on_cuda)
+    return on_cuda
 
 
 def fused_mlp_fc1_on_cuda(macs: int, inter: int) -> bool:
@@ -193,7 +196,9 @@ def fused_mlp_fc1_on_cuda(macs: int, inter: int) -> bool:
     3149, Mixtral (I = 14336) 3261 against 3206, GPT-OSS (I = 2880) 1690 against 1537; Qwen3
     (I = 768) 815 against 854, so it keeps the fused kernel. Small problems keep it for the
     host time (fused_mlp_fc2_on_cuda)."""
-    return macs >= FUSED_MLP_CUDA_GEMM_MACS and inter >= FUSED_MLP_FC1_CUDA_MIN_INTER
+    on_cuda = macs >= FUSED_MLP_CUDA_GEMM_MACS and inter >= FUSED_MLP_FC1_CUDA_MIN_INTER
+    _log("fused_mlp_fc1_on_cuda", (macs, inter), on_cuda)
+    return on_cuda
 
 
 def fp8_group_rows(num_experts: int) -> int:
