@@ -46,20 +46,22 @@ def test_kernels_interpreter(name, layout, dtype):
 
 @pytest.mark.parametrize("name,layout", [("swiglu", "stacked"), ("gpt_oss", "interleaved"),
                                          ("relu2", "stacked")])
-def test_kernel_forward_with_probs_interpreter(name, layout):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_forward_with_probs_interpreter(name, layout, dtype):
     """The forward kernel scales each row by its probability (the fused MLP's FC1 on the
     Hopper GEMM path), in fp32 before the cast, as the fused FC1 does."""
     from compiled_moe.kernels.activations import activation_forward
 
-    h = _h(21, 38, torch.float32)
+    h = _h(21, 38, dtype)
     probs = torch.rand(21, generator=torch.Generator().manual_seed(1))
     inter = 19 if name in reference.GATED_ACTIVATIONS else 38
-    out = torch.empty(21, inter)
+    out = torch.empty(21, inter, dtype=dtype)
     with kernels_on_cpu():
         activation_forward(h, out, name, layout, reference.GPT_OSS_ALPHA,
                            reference.GPT_OSS_LIMIT, probs=probs)
     want = reference.activation(h.double(), name, layout) * probs.double()[:, None]
-    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    same_dtype = reference.activation(h, name, layout) * probs.to(dtype)[:, None]
+    assert_matches_oracle(out, want, same_dtype)
 
 
 def test_kernel_strided_rows_interpreter():
