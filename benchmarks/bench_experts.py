@@ -20,7 +20,7 @@ import argparse
 import torch
 
 import compiled_moe as cm
-from common import MODELS, bench, environment, write_json
+from common import MODELS, bench, environment, graph_of, write_json
 
 
 def route_composition(ids: torch.Tensor, num_experts: int):
@@ -36,12 +36,7 @@ def route_composition(ids: torch.Tensor, num_experts: int):
 
 def bench_graph(fn) -> float:
     """Median ms of replaying fn from a CUDA graph: the GPU time, without host launch cost."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return bench(graph.replay)
+    return bench(graph_of(fn).replay)
 
 
 def skewed_topk(tokens, experts, k, seed=0, device="cuda"):

@@ -79,6 +79,16 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def graph_of(fn) -> torch.cuda.CUDAGraph:
+    """fn captured in a CUDA graph (after one call outside it): its replays time the GPU alone."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def interleaved(fns: dict, rounds: int = 3) -> dict:
     """{name: ms}, the best of `rounds` medians of each function, the functions timed in turn
     in each round (a slow spell of the GPU then hits every contender alike)."""

@@ -286,8 +286,30 @@ WGRAD_KERNEL(grouped_mm_wgrad_f16, true)
 // group that its last tile computes are not stored. The fragment goes to shared memory
 // (swizzled, conflict-free); 64 rows inside the group leave by TMA store, a group's last rows
 // by 16-byte stores of whole 512-byte rows that stop at the group's end.
+//
+// Split K (max_splits > 1): where the tiles leave SMs idle (a few tokens, as when a model
+// decodes), each tile's k steps are cut into ranges taken by different blocks. Each writes its
+// fp32 partial products of the group's rows to partial (splits, M, N), the first range with the
+// bias, and grouped_mm_split_sum adds them up into out. The count comes from the tile count,
+// which only the device knows (split_count); it is stored after the partials for the sum.
 
 constexpr int BLOCK_M = 128, BLOCK_N = 256, BLOCK_K = 64;
+
+// K ranges per tile for `tiles` tiles on `blocks` blocks, at most max_splits: the fewest that
+// bring the waves of tiles (a wave: one tile per block, a tile's time taken as proportional to
+// its k steps) down by 10% or more. At a few rows a group a block streams weights at a rate
+// set by its own loads in flight, so a wave with idle SMs takes a full wave's time (Mixtral's
+// FC2 at T = 8: 96 tiles ran 1.43x faster as 4 ranges of 96); a 5% bar had Qwen3's FC1 at
+// T = 128 split 3 ways for 5.5% fewer waves, and run 7% slower (H200, bench_decode.py).
+__device__ __forceinline__ int split_count(int tiles, int blocks, int max_splits) {
+  int best_splits = 1;
+  float best = (float)((tiles + blocks - 1) / blocks);
+  for (int s = 2; s <= max_splits; ++s) {
+    const float waves = (float)((tiles * s + blocks - 1) / blocks) / s;
+    if (waves < 0.9f * best) { best = waves; best_splits = s; }
+  }
+  return best_splits;
+}
 constexpr int MAX_GROUPS = 1024;  // the tile list lives in shared memory beside the ring
 
 __device__ __forceinline__ float load_float(const void* p, int kind, long long i) {
@@ -304,7 +326,7 @@ __device__ __forceinline__ void grouped_mm_fwd(
     const TensorMap& a_map, const TensorMap& b_map, const TensorMap& out_map, void* __restrict__ out,
     int out_kind, long long out_stride_m,
     const void* __restrict__ bias, int bias_kind, long long bias_stride_g, const int* __restrict__ offs, int M,
-    int N, int K, int G, int num_stages) {
+    int N, int K, int G, int num_stages, float* __restrict__ partial, int max_splits, int force_splits) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
   unsigned char* out_stage = smem + num_stages * STAGE_BYTES;  // 2 consumers x 32 KB
@@ -319,6 +341,14 @@ __device__ __forceinline__ void grouped_mm_fwd(
   init_ring(full, empty, num_stages, 8);
   build_schedule(offs, G, M, num_n, BLOCK_M, sched, scratch);  // ends with __syncthreads
   const int num_tiles = sched.tile_end[G - 1];
+  const int splits = max_splits <= 1 ? 1 : force_splits ? max_splits : split_count(num_tiles, gridDim.x, max_splits);
+  if (max_splits > 1 && blockIdx.x == 0 && threadIdx.x == 0) *(int*)(partial + (long long)max_splits * M * N) = splits;
+  const int num_items = num_tiles * splits;  // (tile, k range), the range fastest
+  auto k_range = [&](int t, int& kb0, int& kb1) {
+    const int split = t % splits;
+    kb0 = split * num_kb / splits;
+    kb1 = (split + 1) * num_kb / splits;
+  };
 
   if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
@@ -327,11 +357,13 @@ __device__ __forceinline__ void grouped_mm_fwd(
       asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&b_map) : "memory");
       int stage = 0;
       u32 phase = 0;
-      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        const Tile tile = locate(t, sched, G, BLOCK_M, BLOCK_N);
+      for (int t = blockIdx.x; t < num_items; t += gridDim.x) {
+        const Tile tile = locate(t / splits, sched, G, BLOCK_M, BLOCK_N);
+        int kb0, kb1;
+        k_range(t, kb0, kb1);
         // N-major b: boxes wholly past N are not loaded (they feed only columns not stored).
         const int b_boxes = B_NMAJOR ? min(4, (N - tile.col0 + CHUNK - 1) / CHUNK) : 4;
-        for (int kb = 0; kb < num_kb; ++kb) {
+        for (int kb = kb0; kb < kb1; ++kb) {
           mbar_wait(&empty[stage], phase ^ 1);
           unsigned char* dst = smem + stage * STAGE_BYTES;
           mbar_expect_tx(&full[stage], (2 + b_boxes) * BOX_BYTES);
@@ -360,20 +392,23 @@ __device__ __forceinline__ void grouped_mm_fwd(
   int stage = 0;
   u32 phase = 0;
 
-  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    const Tile tile = locate(t, sched, G, BLOCK_M, BLOCK_N);
+  for (int t = blockIdx.x; t < num_items; t += gridDim.x) {
+    const Tile tile = locate(t / splits, sched, G, BLOCK_M, BLOCK_N);
     const int row0 = tile.row0 + consumer * 64;
+    int kb0, kb1;
+    k_range(t, kb0, kb1);
+    const int steps = kb1 - kb0;
     // SKIP_PAST_ROWS: the second consumer of a group's last tile with 64 rows or fewer has no
     // rows of the group, and hands the stages back without wgmma or stores (the FP8 forward's
     // skip; the test is uniform for ptxas). A separate instantiation: see
     // configs.grouped_mm_sm90_config for where it runs and what it measured.
     if (SKIP_PAST_ROWS && __shfl_sync(0xffffffffu, row0 >= tile.row_end, 0)) {
-      pass_steps(num_kb, stage, phase, num_stages, full, [&](int s) { mbar_arrive_if(&empty[s], lane == 0); });
+      pass_steps(steps, stage, phase, num_stages, full, [&](int s) { mbar_arrive_if(&empty[s], lane == 0); });
       continue;
     }
 #pragma unroll
     for (int i = 0; i < FRAG; ++i) acc[i] = 0.f;
-    consume_steps(num_kb, stage, phase, num_stages, full, empty, smem, lane, [&](int, unsigned char* st) {
+    consume_steps(steps, stage, phase, num_stages, full, empty, smem, lane, [&](int, unsigned char* st) {
       const unsigned char* a_tile = st + consumer * (64 * 128);
       const unsigned char* b_tile = st + 2 * BOX_BYTES;
       wgmma_fence();
@@ -386,6 +421,29 @@ __device__ __forceinline__ void grouped_mm_fwd(
       }
     });
     fence_registers<FRAG>(acc);
+
+    if (splits > 1) {
+      // Split K: this range's fp32 partial products of the group's rows, straight from the
+      // fragment (a few rows: no staging), the bias with the first range.
+      float* part = partial + (long long)(t % splits) * M * N;
+      const bool with_bias = bias_kind >= 0 && t % splits == 0;
+#pragma unroll
+      for (int j = 0; j < FRAG / 4; ++j) {
+        const int col = tile.col0 + 8 * j + frag_col;
+        float2 b = make_float2(0.f, 0.f);
+        if (with_bias && col < N) {
+          const long long i = tile.group * bias_stride_g + col;
+          b = make_float2(load_float(bias, bias_kind, i), load_float(bias, bias_kind, i + 1));
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = row0 + frag_row + 8 * r;
+          if (row < tile.row_end && col < N)
+            *(float2*)(part + (long long)row * N + col) = make_float2(acc[4 * j + 2 * r] + b.x, acc[4 * j + 2 * r + 1] + b.y);
+        }
+      }
+      continue;
+    }
 
     // Epilogue. The staging buffer is free once the previous tile's TMA store has read it and
     // every thread has copied the previous tile out.
@@ -447,9 +505,10 @@ __device__ __forceinline__ void grouped_mm_fwd(
       const __grid_constant__ TensorMap out_map, /* out (M, N): {N, M, 1}, box {64, 64, 1} */              \
       void* __restrict__ out, int out_kind, long long out_stride_m, const void* __restrict__ bias,         \
       int bias_kind, long long bias_stride_g, const int* __restrict__ offs, int M, int N, int K, int G,    \
-      int num_stages) {                                                                                    \
+      int num_stages, float* __restrict__ partial, int max_splits, int force_splits) {                     \
     grouped_mm_fwd<F16, B_NMAJOR, SKIP>(a_map, b_map, out_map, out, out_kind, out_stride_m, bias,          \
-                                        bias_kind, bias_stride_g, offs, M, N, K, G, num_stages);          \
+                                        bias_kind, bias_stride_g, offs, M, N, K, G, num_stages, partial,  \
+                                        max_splits, force_splits);                                         \
   }
 
 FWD_KERNEL(grouped_mm_bf16, false, false, false)
@@ -460,3 +519,29 @@ FWD_KERNEL(grouped_mm_bf16_skip, false, false, true)
 FWD_KERNEL(grouped_mm_f16_skip, true, false, true)
 FWD_KERNEL(grouped_mm_bf16_nmajor_skip, false, true, true)
 FWD_KERNEL(grouped_mm_f16_nmajor_skip, true, true, true)
+
+// out[r, :] = the sum over the k ranges of partial[s, r, :] (split K, above), for the rows of the
+// groups (rows past the last group were zeroed by the GEMM kernel); 4 columns a thread. Nothing
+// to do where the GEMM kernel chose one range (it stored out itself).
+extern "C" __global__ void grouped_mm_split_sum(const float* __restrict__ partial, void* __restrict__ out,
+                                                int out_kind, long long out_stride_m,
+                                                const int* __restrict__ offs, int M, int N, int G,
+                                                int max_splits) {
+  const int splits = *(const int*)(partial + (long long)max_splits * M * N);
+  if (splits <= 1) return;
+  // The GEMM's last row: sched.row_end[G - 1] of build_schedule.
+  const int last = min(max(offs[G - 1], 0), M);
+  const int rows = G > 1 ? max(last, min(max(offs[G - 2], 0), M)) : last;
+  const int quads = N / 4;
+  const long long n = (long long)rows * quads;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    const long long r = i / quads, c = (i % quads) * 4;
+    float4 sum = *(const float4*)(partial + r * N + c);
+    for (int s = 1; s < splits; ++s) {
+      const float4 v = *(const float4*)(partial + ((long long)s * M + r) * N + c);
+      sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
+    }
+    *(uint2*)((unsigned short*)out + r * out_stride_m + c) =
+        make_uint2(pack_half2(out_kind, sum.x, sum.y), pack_half2(out_kind, sum.z, sum.w));
+  }
+}

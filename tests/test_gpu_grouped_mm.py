@@ -261,6 +261,43 @@ def test_cuda_forward_kernels_skip_past_rows_bitwise(shape):
                                    rtol=1e-2, atol=1e-2 * outs[1].abs().max().item())
 
 
+SPLIT_SHAPES = [  # (M, K, N, G, offs or None): a few tokens' rows, as when a model decodes
+    (3, 14336, 4096, 8, [0, 0, 1, 1, 1, 2, 2, 2]),  # Mixtral's FC2 at T = 1, and a row past the end
+    (8, 2048, 1536, 128, None),                      # Qwen3's FC1 at T = 1
+    (37, 1000, 328, 6, None),                        # K and N not multiples of the tile
+]
+
+
+@pytest.mark.parametrize("shape", SPLIT_SHAPES)
+def test_cuda_forward_split_k(shape):
+    """Where the tiles leave SMs idle, the forward/dgrad kernel cuts each tile's k steps into
+    ranges whose fp32 partial products a second kernel sums (configs.grouped_mm_sm90_split_k).
+    Every forced split count, more ranges than k steps included, and the kernel's own choice
+    give the oracle's result in both weight layouts, with a bf16 or fp32 bias, and zeros past
+    the last group, on poisoned outputs."""
+    from compiled_moe.kernels import configs, grouped_mm_sm90 as sm90
+    M, K, N, G, offs = shape
+    torch.manual_seed(M)
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device=DEV, dtype=torch.bfloat16) / K ** 0.5
+    dy = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
+    offs = (torch.tensor(offs, dtype=torch.int32, device=DEV) if offs is not None
+            else skewed_offsets(M, G, seed=M, tail=1))
+    if K >= 2048:
+        assert configs.grouped_mm_sm90_split_k(M, N, K, G) > 1
+    for a, b, bias in ((x, w.mT, torch.randn(G, N, device=DEV)), (dy, w, None),
+                       (x, w.mT.contiguous(), torch.randn(G, N, device=DEV, dtype=torch.bfloat16))):
+        want = loop_grouped_mm(a, b, offs, bias).to(DEV)
+        for splits in (1, 2, 3, 8):
+            out = torch.full((M, b.shape[2]), float("nan"), device=DEV, dtype=torch.bfloat16)
+            with no_sync():
+                sm90.grouped_mm(a, b, offs, bias, out, splits=splits)
+            torch.testing.assert_close(out.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item(),
+                                       msg=f"{splits} k ranges")
+        torch.testing.assert_close(cm.grouped_mm(a, b, offs, bias=bias).double(), want, rtol=1e-2,
+                                   atol=1e-2 * want.abs().max().item())
+
+
 def test_cuda_kernels_fall_back():
     """Operands the CUDA kernels cannot take run the Triton kernels, with the same result: an
     unaligned address, N not a multiple of 8, an fp32 output."""

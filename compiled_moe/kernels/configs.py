@@ -170,7 +170,21 @@ FUSED_MLP_CUDA_GEMM_MACS = 2 ** 34
 FUSED_MLP_FC1_CUDA_MIN_INTER = 2048
 
 
-def fused_mlp_fc2_on_cuda(macs: int) -> bool:
+# Weight bytes (of the experts a GEMM can touch) from which the fused MLP runs a GEMM with a few
+# rows a group on the CUDA kernel, for its split K: about 35 us of streaming on an H200.
+FUSED_MLP_CUDA_STREAM_BYTES = 2 ** 27
+
+
+def _streams_weights_on_cuda(rows: int, n: int, k: int, groups: int) -> bool:
+    """A few rows a group (a model decoding): the CUDA kernel cuts the tiles' k steps into
+    ranges (grouped_mm_sm90_split_k) where the Triton kernels leave SMs idle. Mixtral at T = 1
+    (H200, bench_decode.py, CUDA-graph replay): FC2 80 us against 171 on Triton. Only where the
+    weights take longer to stream than the host time of a call back into Python."""
+    return (rows > 0 and min(groups, rows) * n * k * 2 >= FUSED_MLP_CUDA_STREAM_BYTES
+            and grouped_mm_sm90_split_k(rows, n, k, groups) > 1)
+
+
+def fused_mlp_fc2_on_cuda(macs: int, rows: int = 0, n: int = 0, k: int = 0, groups: int = 1) -> bool:
     """Whether moe_mlp runs FC2's grouped GEMMs (forward and input gradient) on the Hopper CUDA
     kernel (csrc/grouped_mm.cu) rather than the Triton one; either way only where the CUDA
     kernel applies.
@@ -180,13 +194,15 @@ def fused_mlp_fc2_on_cuda(macs: int) -> bool:
     Triton kernel itself. So small problems, whose graphs wait on the host, keep Triton. Large
     ones take the CUDA kernel: compiled fused experts block, H200, skewed routing, CUDA over
     Triton, forward 1.00-1.05x (Qwen3 T = 8192: 1.05x), forward+backward 1.00-1.01x, outputs
-    bitwise equal (RESULTS.md, fused MLP)."""
-    on_cuda = macs >= FUSED_MLP_CUDA_GEMM_MACS
-    _log("fused_mlp_fc2_on_cuda", (macs,), on_cuda)
+    bitwise equal (RESULTS.md, fused MLP). With a few rows a group, FC2 (rows x k -> n, in
+    `groups` experts) runs there too where its weights are large (_streams_weights_on_cuda)."""
+    on_cuda = macs >= FUSED_MLP_CUDA_GEMM_MACS or _streams_weights_on_cuda(rows, n, k, groups)
+    _log("fused_mlp_fc2_on_cuda", (macs, rows, n, k, groups), on_cuda)
     return on_cuda
 
 
-def fused_mlp_fc1_on_cuda(macs: int, inter: int) -> bool:
+def fused_mlp_fc1_on_cuda(macs: int, inter: int, rows: int = 0, n: int = 0, k: int = 0,
+                          groups: int = 1) -> bool:
     """Whether moe_mlp's forward runs FC1 as the CUDA grouped GEMM (rows gathered first when
     the op gathers them, into a buffer freed after FC1), then the activation kernel, instead
     of the fused Triton FC1. Backward and the memory it keeps are the same either way.
@@ -195,9 +211,11 @@ def fused_mlp_fc1_on_cuda(macs: int, inter: int) -> bool:
     against grouped_mm + moe_activation on sorted rows): DeepSeek-V3 (I = 2048) 3237 against
     3149, Mixtral (I = 14336) 3261 against 3206, GPT-OSS (I = 2880) 1690 against 1537; Qwen3
     (I = 768) 815 against 854, so it keeps the fused kernel. Small problems keep it for the
-    host time (fused_mlp_fc2_on_cuda)."""
-    on_cuda = macs >= FUSED_MLP_CUDA_GEMM_MACS and inter >= FUSED_MLP_FC1_CUDA_MIN_INTER
-    _log("fused_mlp_fc1_on_cuda", (macs, inter), on_cuda)
+    host time (fused_mlp_fc2_on_cuda); with a few rows a group and large weights FC1 (rows x k
+    -> n) takes the CUDA kernel at any I, for its split K (_streams_weights_on_cuda)."""
+    on_cuda = ((macs >= FUSED_MLP_CUDA_GEMM_MACS and inter >= FUSED_MLP_FC1_CUDA_MIN_INTER)
+               or _streams_weights_on_cuda(rows, n, k, groups))
+    _log("fused_mlp_fc1_on_cuda", (macs, inter, rows, n, k, groups), on_cuda)
     return on_cuda
 
 
@@ -462,6 +480,31 @@ def _grouped_mm_sm90_config(fine_grained: bool) -> TileConfig:
                           skip_past_rows=int(fine_grained))
 
     return _choose("grouped_mm_sm90", (fine_grained,), "cuda", heuristic)
+
+
+# Split K of the CUDA forward/dgrad: each k range keeps at least this many 64-deep steps (the
+# ring's 3 stages fill and drain once a range), and a tile is cut into at most MAX ranges.
+SPLIT_K_MIN_STEPS = 4
+SPLIT_K_MAX = 8
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_mm_sm90_split_k(rows: int, n: int, k: int, groups: int) -> int:
+    """The most k ranges a tile of the CUDA bf16/fp16 forward/dgrad (csrc/grouped_mm.cu) may be
+    cut into; 1: none. With a few tokens (a model decoding) the 128 x 256 tiles leave SMs idle,
+    and a GEMM that should stream its experts' weights at DRAM speed runs on some of them:
+    Mixtral's FC2 at T = 1 (2 experts, 16 tiles each) took 185 us against 96 for
+    torch._grouped_mm (H200, benchmarks/bench_decode.py). The kernel picks the count itself
+    from the tile count, which depends on offs (csrc/grouped_mm.cu: split_count, the fewest
+    ranges that cut the waves of tiles by 5%). Here the bound: the fp32 partial products,
+    written and read back, must stay under 1/16 of the weight bytes the GEMM streams (at most
+    min(groups, rows) experts), so only shapes with a few rows a group split."""
+    if rows == 0:
+        return 1
+    by_traffic = min(groups, rows) * k // (64 * rows)
+    splits = max(1, min(by_traffic, -(-k // 64) // SPLIT_K_MIN_STEPS, SPLIT_K_MAX))
+    _log("grouped_mm_sm90_split_k", (rows, n, k, groups), splits)
+    return splits
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,7 +14,8 @@ import torch
 from compiled_moe import native
 from compiled_moe.native import TMA_ALIGN as _ALIGN, hopper
 from compiled_moe.native import tma_aligned as aligned  # noqa: F401 (the ops' launch check)
-from compiled_moe.kernels.configs import grouped_mm_sm90_config, grouped_mm_wgrad_sm90_config
+from compiled_moe.kernels.configs import (grouped_mm_sm90_config, grouped_mm_sm90_split_k,
+                                          grouped_mm_wgrad_sm90_config)
 from compiled_moe.kernels.grouped_mm import _num_sms
 
 _THREADS = 384
@@ -127,10 +128,11 @@ def grouped_mm_wgrad(a, grad_out, offs, out, accumulate: bool, accumulate_mask,
     )
 
 
-def grouped_mm(a, b, offs, bias, out, num_stages=None, skip_past_rows=None) -> None:
+def grouped_mm(a, b, offs, bias, out, num_stages=None, skip_past_rows=None, splits=None) -> None:
     """out (M, N) = a (M, K) @ b[g] (K, N) (+ bias[g]) per row group; rows past offs[-1] get 0.
     The caller checked ``supported`` and ``aligned``. num_stages and skip_past_rows (bool)
-    default to the config's."""
+    default to the configs'; splits forces that many k ranges a tile (split K), where by
+    default the kernel chooses up to configs.grouped_mm_sm90_split_k."""
     M, K = a.shape
     G, _, N = b.shape
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
@@ -151,12 +153,27 @@ def grouped_mm(a, b, offs, bias, out, num_stages=None, skip_past_rows=None) -> N
     out_map = native.tensor_map(out.data_ptr(), (N, M, 1), (out.stride(0) * 2, out.stride(0) * 2 * M),
                                 (64, 64, 1), _OUT_MAP_TYPES[out.dtype])
     num_stages = min(num_stages or cfg.num_stages, _MAX_STAGES)
+    sms = _num_sms(dev)
+    # Split K: at most max_splits k ranges a tile (the kernel picks the count unless forced),
+    # their fp32 partial products summed by grouped_mm_split_sum; the count follows them.
+    max_splits = splits or grouped_mm_sm90_split_k(M, N, K, G)
+    partial = (torch.empty(max_splits * M * N + 1, device=a.device, dtype=torch.float32)
+               if max_splits > 1 else None)
+    offs = offs.contiguous()
     i32, i64 = native.int32, native.int64
+    out_kind = i32(_OUT_KINDS[out.dtype])
     native.launch_driver(
         native.kernel("grouped_mm", name, dev),
-        _num_sms(dev), _THREADS, _shared_bytes(num_stages, G),
-        a_map, b_map, out_map, out, i32(_OUT_KINDS[out.dtype]), i64(out.stride(0)),
+        sms, _THREADS, _shared_bytes(num_stages, G),
+        a_map, b_map, out_map, out, out_kind, i64(out.stride(0)),
         bias if bias is not None else i64(0), i32(_OUT_KINDS[bias.dtype] if bias is not None else -1),
         i64(bias.stride(0) if bias is not None else 0),
-        offs.contiguous(), i32(M), i32(N), i32(K), i32(G), i32(num_stages),
+        offs, i32(M), i32(N), i32(K), i32(G), i32(num_stages),
+        partial if partial is not None else i64(0), i32(max_splits), i32(splits is not None),
     )
+    if partial is not None:
+        native.launch_driver(
+            native.kernel("grouped_mm", "grouped_mm_split_sum", dev),
+            max(1, min(-(-M * N // 4 // 256), 4 * sms)), 256, 0,
+            partial, out, out_kind, i64(out.stride(0)), offs, i32(M), i32(N), i32(G), i32(max_splits),
+        )

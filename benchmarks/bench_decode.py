@@ -1,0 +1,139 @@
+"""Serving shapes: a few tokens per step, where an expert GEMM is a stream of its weights.
+
+Same GPU, same run, same inputs; bf16; skewed top-k routing (bench_experts.skewed_topk). GPU
+time from CUDA-graph replay with the L2 flushed before each replay (triton's do_bench), since a
+decoding model reads each layer's weights cold. Two tables:
+  gemm:  the grouped GEMM forward of FC1 and FC2 alone: ours, torch._grouped_mm and our Triton
+         kernel (COMPILED_MOE_GEMM=triton), and ours without split K. "TB/s" is the bytes of the
+         experts that received rows over the time; "of read" compares it with reading 1 GiB.
+  block: the compiled experts block (moe_experts, its default path) against Hugging Face's
+         grouped_mm backend compiled plainly and with backend="compiled_moe".
+
+    python benchmarks/bench_decode.py [--tokens 1 8 32 128 512] [--models qwen ...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import compiled_moe as cm
+from compiled_moe.kernels import grouped_mm_sm90 as sm90
+from bench_experts import bench_graph, hf_experts_module, skewed_topk
+from bench_grouped_mm import on_triton
+from common import MODELS, environment, graph_of, interleaved, write_json
+
+
+def read_tbps() -> float:
+    """Bandwidth of reading 1 GiB of bf16 (a max over it), TB/s: what streaming weights can reach."""
+    src = torch.empty(2**29, device="cuda", dtype=torch.bfloat16).normal_()
+    ms = bench_graph(lambda: src.amax())
+    return src.numel() * 2 / ms / 1e9
+
+
+def gemm_rows(shape, tokens, read, rounds):
+    ids, _ = skewed_topk(tokens, shape.experts, shape.top_k)
+    counts = torch.bincount(ids.flatten(), minlength=shape.experts)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    active = int((counts > 0).sum())
+    rows = []
+    for proj, k, n in (("fc1", shape.hidden, 2 * shape.inter), ("fc2", shape.inter, shape.hidden)):
+        torch.manual_seed(0)
+        x = torch.randn(tokens * shape.top_k, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(shape.experts, n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        out = x.new_empty(x.shape[0], n)
+        fns = {"ours": lambda: cm.grouped_mm(x, w.mT, offs),
+               "torch": lambda: torch._grouped_mm(x, w.mT, offs),
+               # the CUDA kernel without split K (configs.grouped_mm_sm90_split_k)
+               "one_range": lambda: sm90.grouped_mm(x, w.mT, offs, None, out, splits=1)}
+        fns["triton"] = on_triton(fns["ours"])
+        ref = fns["torch"]().float()
+        for name in ("ours", "triton", "one_range"):
+            got = fns[name]()
+            got = out if got is None else got
+            err = ((got.float() - ref).norm() / ref.norm()).item()
+            assert err < 2e-2, f"{shape.name} T={tokens} {proj} {name}: relative error {err:.2e}"
+        # graph_of calls fn while it captures, so on_triton's setting holds for the capture.
+        us = {name: t * 1e3 for name, t in interleaved({n: graph_of(fn).replay for n, fn in fns.items()},
+                                                       rounds).items()}
+        weight_bytes = active * n * k * 2
+        r = dict(model=shape.name, tokens=tokens, proj=proj, active_experts=active,
+                 weight_mb=weight_bytes / 1e6, **{f"{n_}_us": t for n_, t in us.items()})
+        r["ours_tbps"] = weight_bytes / us["ours"] / 1e6
+        r["of_read"] = r["ours_tbps"] / read
+        rows.append(r)
+        print(f"{shape.name:16s} T={tokens:4d} {proj} experts {active:3d} {r['weight_mb']:7.1f} MB | "
+              f"ours {us['ours']:7.1f} us {r['ours_tbps']:5.2f} TB/s ({r['of_read']:.2f} of read) | "
+              f"torch {us['torch']:7.1f} ({us['torch'] / us['ours']:.2f}x) | "
+              f"Triton {us['triton']:7.1f} ({us['triton'] / us['ours']:.2f}x) | "
+              f"one k range {us['one_range']:7.1f} ({us['one_range'] / us['ours']:.2f}x)", flush=True)
+        del x, w, out
+        torch.cuda.empty_cache()
+    return rows
+
+
+def block_rows(shape, tokens_list):
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    torch._dynamo.config.recompile_limit = 64  # one graph per token count and variant
+    torch.manual_seed(0)
+    mod = hf_experts_module(shape, torch.bfloat16)
+
+    def ours(h, i, w):
+        return cm.moe_experts(h, i, w, mod.gate_up_proj, mod.down_proj)
+
+    def hf(h, i, w):
+        return grouped_mm_experts_forward(mod, h, i, w)
+
+    variants = {"ours": torch.compile(ours, fullgraph=True, dynamic=False),
+                "hf": torch.compile(hf, fullgraph=True, dynamic=False),
+                "hf_pass": torch.compile(hf, fullgraph=True, dynamic=False, backend="compiled_moe")}
+    rows = []
+    for tokens in tokens_list:
+        ids, weights = skewed_topk(tokens, shape.experts, shape.top_k)
+        weights = weights.to(torch.bfloat16)
+        hidden = torch.randn(tokens, shape.hidden, device="cuda", dtype=torch.bfloat16)
+        us = {}
+        with torch.no_grad():
+            ref = variants["hf"](hidden, ids, weights).float()
+            for name, fn in variants.items():
+                err = (fn(hidden, ids, weights).float() - ref).abs().max().item()
+                assert err < 5e-2 * ref.abs().max().item() + 1e-3, f"{shape.name} T={tokens} {name}: {err}"
+                us[name] = bench_graph(lambda: fn(hidden, ids, weights)) * 1e3
+        r = dict(model=shape.name, tokens=tokens, **{f"{n}_us": t for n, t in us.items()})
+        rows.append(r)
+        print(f"{shape.name:16s} T={tokens:4d} block | ours {us['ours']:7.1f} us | HF {us['hf']:7.1f} "
+              f"({us['hf'] / us['ours']:.2f}x) | HF with the pass {us['hf_pass']:7.1f} "
+              f"({us['hf_pass'] / us['ours']:.2f}x)", flush=True)
+    del mod
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 128, 512])
+    p.add_argument("--models", nargs="*", default=None, help="substrings of model names")
+    p.add_argument("--tables", nargs="+", default=["gemm", "block"], choices=["gemm", "block"])
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (best median of each)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    env = environment()
+    print(f"# {env}")
+    read = read_tbps()
+    print(f"# reading 1 GiB of bf16: {read:.2f} TB/s")
+    models = [m for m in MODELS if not args.models or any(s.lower() in m.name.lower() for s in args.models)]
+    gemm, block = [], []
+    for shape in models:
+        if "gemm" in args.tables:
+            for tokens in args.tokens:
+                gemm += gemm_rows(shape, tokens, read, args.rounds)
+        if "block" in args.tables:
+            block += block_rows(shape, args.tokens)
+    if args.json:
+        write_json(args.json, dict(environment=env, read_tbps=read, gemm=gemm, block=block))
+
+
+if __name__ == "__main__":
+    main()
