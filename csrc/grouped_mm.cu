@@ -310,6 +310,7 @@ __device__ __forceinline__ int split_count(int tiles, int blocks, int max_splits
   }
   return best_splits;
 }
+
 constexpr int MAX_GROUPS = 1024;  // the tile list lives in shared memory beside the ring
 
 __device__ __forceinline__ float load_float(const void* p, int kind, long long i) {
@@ -321,7 +322,7 @@ __device__ __forceinline__ float load_float(const void* p, int kind, long long i
   return f;
 }
 
-template <bool F16, bool B_NMAJOR, bool SKIP_PAST_ROWS>
+template <bool F16, bool B_NMAJOR, bool SKIP_PAST_ROWS, bool SPLIT_K>
 __device__ __forceinline__ void grouped_mm_fwd(
     const TensorMap& a_map, const TensorMap& b_map, const TensorMap& out_map, void* __restrict__ out,
     int out_kind, long long out_stride_m,
@@ -341,13 +342,20 @@ __device__ __forceinline__ void grouped_mm_fwd(
   init_ring(full, empty, num_stages, 8);
   build_schedule(offs, G, M, num_n, BLOCK_M, sched, scratch);  // ends with __syncthreads
   const int num_tiles = sched.tile_end[G - 1];
-  const int splits = max_splits <= 1 ? 1 : force_splits ? max_splits : split_count(num_tiles, gridDim.x, max_splits);
-  if (max_splits > 1 && blockIdx.x == 0 && threadIdx.x == 0) *(int*)(partial + (long long)max_splits * M * N) = splits;
+  // SPLIT_K: the instantiations that may split (the others keep none of its code: in them it
+  // had cost 1% on the benchmark's shapes, geometric mean of a same-process A/B).
+  const int splits = !SPLIT_K ? 1 : force_splits ? max_splits : split_count(num_tiles, gridDim.x, max_splits);
+  if (SPLIT_K && blockIdx.x == 0 && threadIdx.x == 0) *(int*)(partial + (long long)max_splits * M * N) = splits;
   const int num_items = num_tiles * splits;  // (tile, k range), the range fastest
-  auto k_range = [&](int t, int& kb0, int& kb1) {
-    const int split = t % splits;
+  // Item t's tile and k steps [kb0, kb1).
+  auto item = [&](int t, int& kb0, int& kb1) {
+    kb0 = 0;
+    kb1 = num_kb;
+    if (!SPLIT_K) return locate(t, sched, G, BLOCK_M, BLOCK_N);
+    const int tile = t / splits, split = t - tile * splits;
     kb0 = split * num_kb / splits;
     kb1 = (split + 1) * num_kb / splits;
+    return locate(tile, sched, G, BLOCK_M, BLOCK_N);
   };
 
   if (warpgroup == 0) {
@@ -358,9 +366,8 @@ __device__ __forceinline__ void grouped_mm_fwd(
       int stage = 0;
       u32 phase = 0;
       for (int t = blockIdx.x; t < num_items; t += gridDim.x) {
-        const Tile tile = locate(t / splits, sched, G, BLOCK_M, BLOCK_N);
         int kb0, kb1;
-        k_range(t, kb0, kb1);
+        const Tile tile = item(t, kb0, kb1);
         // N-major b: boxes wholly past N are not loaded (they feed only columns not stored).
         const int b_boxes = B_NMAJOR ? min(4, (N - tile.col0 + CHUNK - 1) / CHUNK) : 4;
         for (int kb = kb0; kb < kb1; ++kb) {
@@ -393,10 +400,9 @@ __device__ __forceinline__ void grouped_mm_fwd(
   u32 phase = 0;
 
   for (int t = blockIdx.x; t < num_items; t += gridDim.x) {
-    const Tile tile = locate(t / splits, sched, G, BLOCK_M, BLOCK_N);
-    const int row0 = tile.row0 + consumer * 64;
     int kb0, kb1;
-    k_range(t, kb0, kb1);
+    const Tile tile = item(t, kb0, kb1);
+    const int row0 = tile.row0 + consumer * 64;
     const int steps = kb1 - kb0;
     // SKIP_PAST_ROWS: the second consumer of a group's last tile with 64 rows or fewer has no
     // rows of the group, and hands the stages back without wgmma or stores (the FP8 forward's
@@ -422,11 +428,12 @@ __device__ __forceinline__ void grouped_mm_fwd(
     });
     fence_registers<FRAG>(acc);
 
-    if (splits > 1) {
+    if (SPLIT_K && splits > 1) {
       // Split K: this range's fp32 partial products of the group's rows, straight from the
       // fragment (a few rows: no staging), the bias with the first range.
-      float* part = partial + (long long)(t % splits) * M * N;
-      const bool with_bias = bias_kind >= 0 && t % splits == 0;
+      const int split = t % splits;
+      float* part = partial + (long long)split * M * N;
+      const bool with_bias = bias_kind >= 0 && split == 0;
 #pragma unroll
       for (int j = 0; j < FRAG / 4; ++j) {
         const int col = tile.col0 + 8 * j + frag_col;
@@ -497,7 +504,7 @@ __device__ __forceinline__ void grouped_mm_fwd(
   }
 }
 
-#define FWD_KERNEL(NAME, F16, B_NMAJOR, SKIP)                                                              \
+#define FWD_KERNEL(NAME, F16, B_NMAJOR, SKIP, SPLIT)                                                      \
   extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                          \
       const __grid_constant__ TensorMap a_map, /* a (M, K): bytes {2K, M}, box {128, 128} */               \
       const __grid_constant__ TensorMap b_map, /* K-major: bytes {2K, N, G}, box {128, 256, 1};             \
@@ -506,19 +513,24 @@ __device__ __forceinline__ void grouped_mm_fwd(
       void* __restrict__ out, int out_kind, long long out_stride_m, const void* __restrict__ bias,         \
       int bias_kind, long long bias_stride_g, const int* __restrict__ offs, int M, int N, int K, int G,    \
       int num_stages, float* __restrict__ partial, int max_splits, int force_splits) {                     \
-    grouped_mm_fwd<F16, B_NMAJOR, SKIP>(a_map, b_map, out_map, out, out_kind, out_stride_m, bias,          \
-                                        bias_kind, bias_stride_g, offs, M, N, K, G, num_stages, partial,  \
-                                        max_splits, force_splits);                                         \
+    grouped_mm_fwd<F16, B_NMAJOR, SKIP, SPLIT>(a_map, b_map, out_map, out, out_kind, out_stride_m, bias,   \
+                                               bias_kind, bias_stride_g, offs, M, N, K, G, num_stages,     \
+                                               partial, max_splits, force_splits);                         \
   }
 
-FWD_KERNEL(grouped_mm_bf16, false, false, false)
-FWD_KERNEL(grouped_mm_f16, true, false, false)
-FWD_KERNEL(grouped_mm_bf16_nmajor, false, true, false)
-FWD_KERNEL(grouped_mm_f16_nmajor, true, true, false)
-FWD_KERNEL(grouped_mm_bf16_skip, false, false, true)
-FWD_KERNEL(grouped_mm_f16_skip, true, false, true)
-FWD_KERNEL(grouped_mm_bf16_nmajor_skip, false, true, true)
-FWD_KERNEL(grouped_mm_f16_nmajor_skip, true, true, true)
+FWD_KERNEL(grouped_mm_bf16, false, false, false, false)
+FWD_KERNEL(grouped_mm_f16, true, false, false, false)
+FWD_KERNEL(grouped_mm_bf16_nmajor, false, true, false, false)
+FWD_KERNEL(grouped_mm_f16_nmajor, true, true, false, false)
+FWD_KERNEL(grouped_mm_bf16_skip, false, false, true, false)
+FWD_KERNEL(grouped_mm_f16_skip, true, false, true, false)
+FWD_KERNEL(grouped_mm_bf16_nmajor_skip, false, true, true, false)
+FWD_KERNEL(grouped_mm_f16_nmajor_skip, true, true, true, false)
+// Split K runs where groups have a few rows, so with the skipping consumer.
+FWD_KERNEL(grouped_mm_bf16_skip_split, false, false, true, true)
+FWD_KERNEL(grouped_mm_f16_skip_split, true, false, true, true)
+FWD_KERNEL(grouped_mm_bf16_nmajor_skip_split, false, true, true, true)
+FWD_KERNEL(grouped_mm_f16_nmajor_skip_split, true, true, true, true)
 
 // out[r, :] = the sum over the k ranges of partial[s, r, :] (split K, above), for the rows of the
 // groups (rows past the last group were zeroed by the GEMM kernel); 4 columns a thread. Nothing

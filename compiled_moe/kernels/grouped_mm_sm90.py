@@ -147,16 +147,19 @@ def grouped_mm(a, b, offs, bias, out, num_stages=None, skip_past_rows=None, spli
                                   (128, 256, 1))
         name = _FWD_KERNELS[a.dtype]
     cfg = grouped_mm_sm90_config(M, G)
-    if cfg.skip_past_rows if skip_past_rows is None else skip_past_rows:
+    # Split K: at most max_splits k ranges a tile (the kernel picks the count unless forced),
+    # their fp32 partial products summed by grouped_mm_split_sum; the count follows them. Its
+    # kernels skip too (a few rows a group).
+    max_splits = splits or grouped_mm_sm90_split_k(M, N, K, G)
+    if max_splits > 1:
+        name += "_skip_split"
+    elif cfg.skip_past_rows if skip_past_rows is None else skip_past_rows:
         name += "_skip"
     a_map = native.tensor_map(a.data_ptr(), (K * 2, M), (a.stride(0) * 2,), (128, 128))
     out_map = native.tensor_map(out.data_ptr(), (N, M, 1), (out.stride(0) * 2, out.stride(0) * 2 * M),
                                 (64, 64, 1), _OUT_MAP_TYPES[out.dtype])
     num_stages = min(num_stages or cfg.num_stages, _MAX_STAGES)
     sms = _num_sms(dev)
-    # Split K: at most max_splits k ranges a tile (the kernel picks the count unless forced),
-    # their fp32 partial products summed by grouped_mm_split_sum; the count follows them.
-    max_splits = splits or grouped_mm_sm90_split_k(M, N, K, G)
     partial = (torch.empty(max_splits * M * N + 1, device=a.device, dtype=torch.float32)
                if max_splits > 1 else None)
     offs = offs.contiguous()
