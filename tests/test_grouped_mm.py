@@ -410,3 +410,35 @@ def test_every_op_body_runs_on_its_tensors_device():
                     unguarded.append(f"{path.name}:{node.name}")
     assert ops >= 21
     assert not unguarded, f"op bodies without on_tensor_device: {unguarded}"
+
+
+
+# ------------------------------------------------------------------ split K's bound (no GPU)
+
+# (hidden, inter, experts, top_k) of DeepSeek-V3 EP8, Qwen3-30B-A3B, Mixtral-8x7B, GPT-OSS-120B
+MODEL_SHAPES = [(7168, 2048, 32, 8), (2048, 768, 128, 8), (4096, 14336, 8, 2), (2880, 2880, 128, 4)]
+
+
+def test_split_k_bound():
+    """configs.grouped_mm_sm90_split_k bounds the k ranges of the CUDA forward so that the fp32
+    partial products, written and read back, stay under 1/16 of the weight bytes the GEMM can
+    touch, and each range keeps at least 4 k steps: the model shapes may split at a few tokens
+    a step and never at training sizes. The fused MLP moves such GEMMs to the CUDA kernel only
+    from 128 MB of weights."""
+    from compiled_moe.kernels import configs
+    for hidden, inter, experts, top_k in MODEL_SHAPES:
+        for proj_k, proj_n in ((hidden, 2 * inter), (inter, hidden)):
+            for tokens in (1, 2, 8, 32, 128, 512, 4096, 8192):
+                rows = tokens * top_k
+                splits = configs.grouped_mm_sm90_split_k(rows, proj_n, proj_k, experts)
+                weight_bytes = min(experts, rows) * proj_n * proj_k * 2
+                assert 1 <= splits <= configs.SPLIT_K_MAX
+                if splits > 1:
+                    assert 2 * splits * rows * proj_n * 4 <= weight_bytes / 16
+                    assert -(-proj_k // 64) // splits >= configs.SPLIT_K_MIN_STEPS
+                if tokens >= 4096:
+                    assert splits == 1, (hidden, inter, tokens)
+                on_cuda = configs.fused_mlp_fc2_on_cuda(0, rows, proj_n, proj_k, experts)
+                assert on_cuda == (splits > 1 and weight_bytes >= configs.FUSED_MLP_CUDA_STREAM_BYTES)
+        # one token: every model's FC2 may split
+        assert configs.grouped_mm_sm90_split_k(top_k, hidden, inter, experts) > 1
