@@ -178,7 +178,7 @@ FUSED_MLP_CUDA_STREAM_BYTES = 2 ** 27
 def _streams_weights_on_cuda(rows: int, n: int, k: int, groups: int) -> bool:
     """A few rows a group (a model decoding): the CUDA kernel cuts the tiles' k steps into
     ranges (grouped_mm_sm90_split_k) where the Triton kernels leave SMs idle. Mixtral at T = 1
-    (H200, bench_decode.py, CUDA-graph replay): FC2 80 us against 171 on Triton. Only where the
+    (H200, bench_decode.py, CUDA-graph replay): FC2 80 us against 169-172 on Triton. Only where the
     weights take longer to stream than the host time of a call back into Python."""
     return (rows > 0 and min(groups, rows) * n * k * 2 >= FUSED_MLP_CUDA_STREAM_BYTES
             and grouped_mm_sm90_split_k(rows, n, k, groups) > 1)
@@ -496,7 +496,7 @@ def grouped_mm_sm90_split_k(rows: int, n: int, k: int, groups: int) -> int:
     Mixtral's FC2 at T = 1 (2 experts, 16 tiles each) took 185 us against 96 for
     torch._grouped_mm (H200, benchmarks/bench_decode.py). The kernel picks the count itself
     from the tile count, which depends on offs (csrc/grouped_mm.cu: split_count, the fewest
-    ranges that cut the waves of tiles by 5%). Here the bound: the fp32 partial products,
+    ranges that cut the waves of tiles by 10%). Here the bound: the fp32 partial products,
     written and read back, must stay under 1/16 of the weight bytes the GEMM streams (at most
     min(groups, rows) experts), so only shapes with a few rows a group split."""
     if rows == 0:
