@@ -298,6 +298,38 @@ def test_cuda_forward_split_k(shape):
                                    atol=1e-2 * want.abs().max().item())
 
 
+def test_cuda_graph_replay_split_k_with_new_offsets():
+    """Split K's range count is chosen on the device from offs, and the sum kernel reads it
+    back: a captured graph replayed with other offsets (16 groups of one row: 128 tiles, one
+    range; one group: 8 tiles, 8 ranges; rows past the end) gives the eager result bitwise."""
+    from compiled_moe.kernels import configs
+    M, K, N, G = 16, 4096, 2048, 64  # a few tokens' rows
+    assert configs.grouped_mm_sm90_split_k(M, N, K, G) > 1
+    torch.manual_seed(6)
+    a = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device=DEV, dtype=torch.bfloat16) / K ** 0.5
+    offs = skewed_offsets(M, G, seed=7)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        cm.grouped_mm(a, w.mT, offs)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cm.grouped_mm(a, w.mT, offs)
+    one_row_each = torch.cumsum((torch.arange(G) % 4 == 0).int(), 0).clamp(max=M).to(torch.int32)
+    all_in_one = torch.full((G,), M, dtype=torch.int32)
+    all_in_one[:9] = 0
+    for new in (one_row_each.to(DEV), all_in_one.to(DEV), skewed_offsets(M, G, seed=8, tail=5)):
+        offs.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = cm.grouped_mm(a, w.mT, offs)
+        assert torch.equal(out, want)
+        torch.testing.assert_close(out.double(), loop_grouped_mm(a, w.mT, offs).to(DEV), rtol=1e-2,
+                                   atol=1e-2 * want.abs().max().item())
+
+
 def test_cuda_kernels_fall_back():
     """Operands the CUDA kernels cannot take run the Triton kernels, with the same result: an
     unaligned address, N not a multiple of 8, an fp32 output."""
