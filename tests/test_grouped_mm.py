@@ -412,7 +412,6 @@ def test_every_op_body_runs_on_its_tensors_device():
     assert not unguarded, f"op bodies without on_tensor_device: {unguarded}"
 
 
-
 # ------------------------------------------------------------------ split K's bound (no GPU)
 
 # (hidden, inter, experts, top_k) of DeepSeek-V3 EP8, Qwen3-30B-A3B, Mixtral-8x7B, GPT-OSS-120B
