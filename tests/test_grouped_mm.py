@@ -437,7 +437,9 @@ def test_split_k_bound():
                     assert -(-proj_k // 64) // splits >= configs.SPLIT_K_MIN_STEPS
                 if tokens >= 4096:
                     assert splits == 1, (hidden, inter, tokens)
-                on_cuda = configs.fused_mlp_fc2_on_cuda(0, rows, proj_n, proj_k, experts)
-                assert on_cuda == (splits > 1 and weight_bytes >= configs.FUSED_MLP_CUDA_STREAM_BYTES)
+                on_cuda = configs.fused_mlp_fc2_on_cuda(rows, proj_n, proj_k, experts)
+                assert on_cuda == (rows * proj_n * proj_k >= configs.FUSED_MLP_CUDA_GEMM_MACS
+                                   or (splits > 1
+                                       and weight_bytes >= configs.FUSED_MLP_CUDA_STREAM_BYTES))
         # one token: every model's FC2 may split
         assert configs.grouped_mm_sm90_split_k(top_k, hidden, inter, experts) > 1

@@ -184,25 +184,25 @@ def _streams_weights_on_cuda(rows: int, n: int, k: int, groups: int) -> bool:
             and grouped_mm_sm90_split_k(rows, n, k, groups) > 1)
 
 
-def fused_mlp_fc2_on_cuda(macs: int, rows: int = 0, n: int = 0, k: int = 0, groups: int = 1) -> bool:
+def fused_mlp_fc2_on_cuda(rows: int, n: int, k: int, groups: int) -> bool:
     """Whether moe_mlp runs FC2's grouped GEMMs (forward and input gradient) on the Hopper CUDA
     kernel (csrc/grouped_mm.cu) rather than the Triton one; either way only where the CUDA
-    kernel applies.
+    kernel applies. FC2's forward: rows x k -> n in `groups` experts.
 
     In a compiled graph the CUDA kernel is an opaque op: each call goes back into Python, about
     20-80 us of host time under cpp_wrapper (RESULTS.md, host time), where inductor launches the
     Triton kernel itself. So small problems, whose graphs wait on the host, keep Triton. Large
     ones take the CUDA kernel: compiled fused experts block, H200, skewed routing, CUDA over
     Triton, forward 1.00-1.05x (Qwen3 T = 8192: 1.05x), forward+backward 1.00-1.01x, outputs
-    bitwise equal (RESULTS.md, fused MLP). With a few rows a group, FC2 (rows x k -> n, in
-    `groups` experts) runs there too where its weights are large (_streams_weights_on_cuda)."""
-    on_cuda = macs >= FUSED_MLP_CUDA_GEMM_MACS or _streams_weights_on_cuda(rows, n, k, groups)
-    _log("fused_mlp_fc2_on_cuda", (macs, rows, n, k, groups), on_cuda)
+    bitwise equal (RESULTS.md, fused MLP). With a few rows a group, FC2 runs there too where
+    its weights are large (_streams_weights_on_cuda)."""
+    on_cuda = (rows * n * k >= FUSED_MLP_CUDA_GEMM_MACS
+               or _streams_weights_on_cuda(rows, n, k, groups))
+    _log("fused_mlp_fc2_on_cuda", (rows, n, k, groups), on_cuda)
     return on_cuda
 
 
-def fused_mlp_fc1_on_cuda(macs: int, inter: int, rows: int = 0, n: int = 0, k: int = 0,
-                          groups: int = 1) -> bool:
+def fused_mlp_fc1_on_cuda(inter: int, rows: int, n: int, k: int, groups: int) -> bool:
     """Whether moe_mlp's forward runs FC1 as the CUDA grouped GEMM (rows gathered first when
     the op gathers them, into a buffer freed after FC1), then the activation kernel, instead
     of the fused Triton FC1. Backward and the memory it keeps are the same either way.
@@ -212,10 +212,11 @@ def fused_mlp_fc1_on_cuda(macs: int, inter: int, rows: int = 0, n: int = 0, k: i
     3149, Mixtral (I = 14336) 3261 against 3206, GPT-OSS (I = 2880) 1690 against 1537; Qwen3
     (I = 768) 815 against 854, so it keeps the fused kernel. Small problems keep it for the
     host time (fused_mlp_fc2_on_cuda); with a few rows a group and large weights FC1 (rows x k
-    -> n) takes the CUDA kernel at any I, for its split K (_streams_weights_on_cuda)."""
-    on_cuda = ((macs >= FUSED_MLP_CUDA_GEMM_MACS and inter >= FUSED_MLP_FC1_CUDA_MIN_INTER)
+    -> n in `groups` experts) takes the CUDA kernel at any I, for its split K
+    (_streams_weights_on_cuda)."""
+    on_cuda = ((rows * n * k >= FUSED_MLP_CUDA_GEMM_MACS and inter >= FUSED_MLP_FC1_CUDA_MIN_INTER)
                or _streams_weights_on_cuda(rows, n, k, groups))
-    _log("fused_mlp_fc1_on_cuda", (macs, inter, rows, n, k, groups), on_cuda)
+    _log("fused_mlp_fc1_on_cuda", (inter, rows, n, k, groups), on_cuda)
     return on_cuda
 
 

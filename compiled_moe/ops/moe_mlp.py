@@ -111,10 +111,6 @@ def _outputs(x, w1, activation, source, save_h):
     return x.new_empty((rows, x.shape[1])), h
 
 
-def _macs(rows_operand: Tensor, w: Tensor) -> int:
-    return size_hint(rows_operand.shape[0]) * size_hint(w.shape[1]) * size_hint(w.shape[2])
-
-
 def _dims(rows_operand: Tensor, w: Tensor) -> tuple[int, int, int, int]:
     """(rows, n, k, groups) of the forward GEMM of a (G, n, k) weight."""
     return (size_hint(rows_operand.shape[0]), size_hint(w.shape[1]), size_hint(w.shape[2]),
@@ -124,7 +120,7 @@ def _dims(rows_operand: Tensor, w: Tensor) -> tuple[int, int, int, int]:
 def _fc2_on_cuda(rows_operand: Tensor, w2: Tensor) -> bool:
     """FC2's grouped GEMMs (forward and input gradient) on the CUDA kernel where it applies
     and the problem is large enough (configs.fused_mlp_fc2_on_cuda says why)."""
-    return fused_mlp_fc2_on_cuda(_macs(rows_operand, w2), *_dims(rows_operand, w2))
+    return fused_mlp_fc2_on_cuda(*_dims(rows_operand, w2))
 
 
 def _fc1_on_cuda(x: Tensor, source: Optional[Tensor], w1: Tensor, b1: Optional[Tensor],
@@ -132,7 +128,7 @@ def _fc1_on_cuda(x: Tensor, source: Optional[Tensor], w1: Tensor, b1: Optional[T
     """FC1 as the CUDA GEMM plus the activation kernel (configs.fused_mlp_fc1_on_cuda), where
     the CUDA kernel takes FC1's operands (gathered rows are a contiguous copy of x's)."""
     rows = x if source is None else x.new_empty((0, x.shape[1]))
-    return (fused_mlp_fc1_on_cuda(_macs(a, w1), size_hint(a.shape[1]), *_dims(a, w1))
+    return (fused_mlp_fc1_on_cuda(size_hint(a.shape[1]), *_dims(a, w1))
             and cuda_kernel_applies(rows, w1.transpose(-2, -1), b1, x.dtype))
 
 
