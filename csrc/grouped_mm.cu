@@ -156,11 +156,6 @@ __device__ __forceinline__ void grouped_mm_wgrad(
     p0 *= BLOCK_P;
     q0 *= BLOCK_Q;
   };
-  auto group_rows = [&](int g, int& start, int& end) {
-    end = min(max(offs[g], 0), M);
-    start = g == 0 ? 0 : min(max(offs[g - 1], 0), M);
-    end = max(end, start);
-  };
 
   if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
@@ -170,10 +165,11 @@ __device__ __forceinline__ void grouped_mm_wgrad(
       // Boxes wholly past P or Q are not loaded: they feed only outputs that are not stored.
       int stage = 0;
       u32 phase = 0;
+      GroupRows group_rows;  // tiles go in group order
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
         int g, p0, q0, start, end;
         tile_of(t, g, p0, q0);
-        group_rows(g, start, end);
+        group_rows.of(offs, M, g, start, end);
         const int a_boxes = min(A_BOXES, (P - p0 + CHUNK - 1) / CHUNK);
         const int b_boxes = min(B_BOXES, (Q - q0 + CHUNK - 1) / CHUNK);
         for (int row = start; row < end; row += BLOCK_R) {
@@ -201,11 +197,12 @@ __device__ __forceinline__ void grouped_mm_wgrad(
   float acc[FRAG];
   int stage = 0;
   u32 phase = 0;
+  GroupRows group_rows;
 
   for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     int g, p0, q0, start, end;
     tile_of(t, g, p0, q0);
-    group_rows(g, start, end);
+    group_rows.of(offs, M, g, start, end);
     // The same in every lane (ptxas then sees the loop and the cut's branch as uniform; a
     // branch it takes for divergent inside a wgmma's flight serializes every wgmma).
     const int rows = uniform(end - start);
@@ -291,7 +288,8 @@ WGRAD_KERNEL(grouped_mm_wgrad_f16, true)
 // decodes), each tile's k steps are cut into ranges taken by different blocks. Each writes its
 // fp32 partial products of the group's rows to partial (splits, M, N), the first range with the
 // bias, and grouped_mm_split_sum adds them up into out. The count comes from the tile count,
-// which only the device knows (split_count); it is stored after the partials for the sum.
+// which only the device knows (split_count); it is stored after the partials for the sum, with
+// the groups' last row.
 
 constexpr int BLOCK_M = 128, BLOCK_N = 256, BLOCK_K = 64;
 
@@ -345,7 +343,11 @@ __device__ __forceinline__ void grouped_mm_fwd(
   // SPLIT_K: the instantiations that may split (the others keep none of its code: in them it
   // had cost 1% on the benchmark's shapes, geometric mean of a same-process A/B).
   const int splits = !SPLIT_K ? 1 : force_splits ? max_splits : split_count(num_tiles, gridDim.x, max_splits);
-  if (SPLIT_K && blockIdx.x == 0 && threadIdx.x == 0) *(int*)(partial + (long long)max_splits * M * N) = splits;
+  if (SPLIT_K && blockIdx.x == 0 && threadIdx.x == 0) {  // for the sum: the count and the groups' last row
+    int* tail = (int*)(partial + (long long)max_splits * M * N);
+    tail[0] = splits;
+    tail[1] = sched.row_end[G - 1];
+  }
   const int num_items = num_tiles * splits;  // (tile, k range), the range fastest
   // Item t's tile and k steps [kb0, kb1).
   auto item = [&](int t, int& kb0, int& kb1) {
@@ -537,13 +539,10 @@ FWD_KERNEL(grouped_mm_f16_nmajor_skip_split, true, true, true, true)
 // to do where the GEMM kernel chose one range (it stored out itself).
 extern "C" __global__ void grouped_mm_split_sum(const float* __restrict__ partial, void* __restrict__ out,
                                                 int out_kind, long long out_stride_m,
-                                                const int* __restrict__ offs, int M, int N, int G,
-                                                int max_splits) {
-  const int splits = *(const int*)(partial + (long long)max_splits * M * N);
+                                                int M, int N, int max_splits) {
+  const int* tail = (const int*)(partial + (long long)max_splits * M * N);
+  const int splits = tail[0], rows = tail[1];  // stored by the GEMM kernel
   if (splits <= 1) return;
-  // The GEMM's last row: sched.row_end[G - 1] of build_schedule.
-  const int last = min(max(offs[G - 1], 0), M);
-  const int rows = G > 1 ? max(last, min(max(offs[G - 2], 0), M)) : last;
   const int quads = N / 4;
   const long long n = (long long)rows * quads;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {

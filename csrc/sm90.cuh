@@ -220,27 +220,46 @@ __device__ __forceinline__ void pass_steps(int steps, int& stage, u32& phase, in
 }
 
 // The tile list of all groups, in shared memory: tile_end[g] is the inclusive prefix over groups
-// of (row tiles x column tiles); row_start / row_end are the group's rows clamped to [0, M).
+// of (row tiles x column tiles); group g owns rows [row_start[g], row_end[g]), as
+// reference.group_bounds reads offs: each end clamped to [0, M), then a running maximum, so
+// corrupt (decreasing) offsets never give two groups the same rows.
 struct Schedule {
   int* tile_end;
   int* row_start;
   int* row_end;
 };
 
+__device__ __forceinline__ int clamped_end(const int* __restrict__ offs, int g, int M) {
+  return min(max(offs[g], 0), M);
+}
+
 // Every thread of the block takes part (it ends with __syncthreads); scratch holds 32 ints.
 __device__ void build_schedule(const int* __restrict__ offs, int G, int M, int num_n, int block_m, Schedule s,
                                int* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x / 32;
-  int carry = 0;
+  int carry = 0, carry_end = 0;  // tiles and running maximum of the ends before this chunk
   for (int base = 0; base < G; base += blockDim.x) {
     const int g = base + threadIdx.x;
+    // Running maximum of the ends: a scan within warps, then over the warps' maxima.
+    int end = g < G ? clamped_end(offs, g, M) : 0;
+    for (int d = 1; d < 32; d <<= 1) {
+      const int o = __shfl_up_sync(0xffffffffu, end, d);
+      if (lane >= d) end = max(end, o);
+    }
+    if (lane == 31) scratch[warp] = end;
+    __syncthreads();
+    int end_before = carry_end;  // the running maximum before this warp's first group
+    for (int w = 0; w < warp; ++w) end_before = max(end_before, scratch[w]);
+    end = max(end, end_before);
+    const int end_of_previous = __shfl_up_sync(0xffffffffu, end, 1);  // every lane takes part
+    const int start = lane == 0 ? end_before : end_of_previous;
+    for (int w = 0; w < num_warps; ++w) carry_end = max(carry_end, scratch[w]);
+    __syncthreads();  // scratch is reused by the tile scan
     int count = 0;
     if (g < G) {
-      const int end = min(max(offs[g], 0), M);
-      const int start = g == 0 ? 0 : min(max(offs[g - 1], 0), M);
       s.row_start[g] = start;
-      s.row_end[g] = max(end, start);
-      count = ((max(end - start, 0) + block_m - 1) / block_m) * num_n;
+      s.row_end[g] = end;
+      count = ((end - start + block_m - 1) / block_m) * num_n;
     }
     int inc = count;
     for (int d = 1; d < 32; d <<= 1) {
@@ -258,6 +277,18 @@ __device__ void build_schedule(const int* __restrict__ offs, int G, int M, int n
     __syncthreads();
   }
 }
+
+// Group rows for a thread that visits groups in non-decreasing order (without a Schedule in
+// shared memory): the same bounds as build_schedule's, from the running maximum of the ends
+// of the groups passed so far.
+struct GroupRows {
+  int next = 0, end_before = 0;  // end_before: the running maximum of the ends of groups < next
+  __device__ __forceinline__ void of(const int* __restrict__ offs, int M, int g, int& start, int& end) {
+    for (; next < g; ++next) end_before = max(end_before, clamped_end(offs, next, M));
+    start = end_before;
+    end = max(clamped_end(offs, g, M), start);
+  }
+};
 
 // The weight gradients' tile order over G groups of num_p x num_q output tiles: tile t is in
 // group t / (num_p num_q); within a group, bands of `band` P tiles with P varying fastest, so

@@ -329,6 +329,38 @@ def test_fp8_cuda_wgrad_matches_reference_and_triton(shape, recipe, monkeypatch)
                                    msg=str(out_dtype))
 
 
+@pytest.mark.parametrize("offs", [[160, 96, 600, 320], [-32, 128, 64, 256]])
+def test_fp8_cuda_kernels_corrupt_offsets(offs):
+    """Decreasing offsets and offsets past M: the blockwise forward and the weight gradient's
+    CUDA kernels take the reference's group bounds (a running maximum of the clamped ends; the
+    starts are multiples of 16, so the CUDA weight-gradient kernel computes everything)."""
+    from compiled_moe.kernels import scaled_grouped_mm_sm90 as sm90
+    M, K, N = 512, 1024, 768
+    torch.manual_seed(12)
+    offs = torch.tensor(offs, dtype=torch.int32, device=DEV)
+    G = offs.shape[0]
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device=DEV, dtype=torch.bfloat16) / K ** 0.5
+    d = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
+    xq = cm.grouped_quantize(x, offs, "fp8_blockwise", columnwise=True)
+    wq = cm.grouped_quantize(w, None, "fp8_blockwise")
+    dq = cm.grouped_quantize(d, offs, "fp8_blockwise", columnwise=True)
+    fwd = (xq[0], wq[0].mT, xq[1], wq[1], offs, "fp8_blockwise")
+    wgrad = (xq[2], dq[2], xq[3], dq[3], offs, "fp8_blockwise")
+    assert sm90.supported(xq[0], wq[0].mT, "fp8_blockwise")
+    assert sm90.wgrad_supported(xq[2], dq[2], "fp8_blockwise", G)
+    ops = torch.ops.compiled_moe
+    for name, op, ref, args in (("forward", ops.scaled_grouped_mm, R.scaled_grouped_mm, fwd),
+                                ("wgrad", ops.scaled_grouped_mm_wgrad, R.scaled_grouped_mm_wgrad, wgrad)):
+        want = ref(*args, torch.float32)
+        op(*args, torch.float32)
+        poison_allocator(4 * G * K * N)
+        with no_sync():
+            got = op(*args, torch.float32)
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * scale, msg=name)
+
+
 def test_fp8_cuda_wgrad_op_opcheck():
     M, P, Q, G = 512, 256, 384, 4
     offs = skewed_offsets(M, G, seed=5, multiple=16)

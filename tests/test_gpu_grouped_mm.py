@@ -298,6 +298,50 @@ def test_cuda_forward_split_k(shape):
                                    atol=1e-2 * want.abs().max().item())
 
 
+# Decreasing offsets and offsets past M (M = 512): group g owns rows [running max of the
+# clamped ends before g, max(that, its own clamped end)), as reference.group_bounds says.
+# [160, 96, 600, 320]: groups 0..159, empty, 160..511, empty; [-32, 128, 64, 256]: empty,
+# 0..127, empty, 128..255, rows 256.. past the end. Starts are multiples of 16 (the FP8
+# weight-gradient kernel's condition), so every CUDA kernel runs them.
+CORRUPT_OFFSETS = [[160, 96, 600, 320], [-32, 128, 64, 256]]
+
+
+@pytest.mark.parametrize("offs", CORRUPT_OFFSETS)
+def test_cuda_kernels_corrupt_offsets(offs):
+    """Every CUDA kernel takes group bounds as the reference does: forward in both weight
+    layouts with a bias, one and several k ranges, dgrad, the weight gradient and its
+    accumulation, on poisoned outputs, against the float64 loop."""
+    from compiled_moe.kernels import grouped_mm_sm90 as sm90
+    M, K, N = 512, 1024, 768
+    torch.manual_seed(11)
+    offs = torch.tensor(offs, dtype=torch.int32, device=DEV)
+    G = offs.shape[0]
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device=DEV, dtype=torch.bfloat16) / K ** 0.5
+    dy = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
+    bias = torch.randn(G, N, device=DEV)
+    tol = dict(rtol=1e-2, atol=1e-2 * 4)
+    for a, b, bias_ in ((x, w.mT, bias), (x, w.mT.contiguous(), None), (dy, w, None)):
+        want = loop_grouped_mm(a, b, offs, bias_).to(DEV)
+        for splits in (None, 1, 2):
+            out = torch.full((M, b.shape[2]), float("nan"), device=DEV, dtype=torch.bfloat16)
+            with no_sync():
+                sm90.grouped_mm(a, b, offs, bias_, out, splits=splits)
+            torch.testing.assert_close(out.double(), want, **tol, msg=f"{splits} k ranges")
+    main = torch.randn(G, K, N, device=DEV)
+    mask = torch.tensor([True, False, True, False], device=DEV)
+    wgrad = loop_wgrad(x, dy, offs).to(DEV)
+    assert sm90.wgrad_supported(x, dy, torch.bfloat16)
+    with no_sync():
+        got = cm.grouped_mm_wgrad(x, dy, offs)
+        acc = main.clone()
+        cm.grouped_mm_wgrad_accumulate_(acc, x, dy, offs, accumulate_mask=mask)
+    scale = wgrad.abs().max().item()
+    torch.testing.assert_close(got.double(), wgrad, rtol=1e-2, atol=1e-2 * scale)
+    torch.testing.assert_close(acc.double(), wgrad + main.double() * mask[:, None, None], rtol=1e-4,
+                               atol=1e-4 * scale)
+
+
 def test_cuda_graph_replay_split_k_with_new_offsets():
     """Split K's range count is chosen on the device from offs, and the sum kernel reads it
     back: a captured graph replayed with other offsets (16 groups of one row: 128 tiles, one

@@ -148,8 +148,8 @@ def grouped_mm(a, b, offs, bias, out, num_stages=None, skip_past_rows=None, spli
         name = _FWD_KERNELS[a.dtype]
     cfg = grouped_mm_sm90_config(M, G)
     # Split K: at most max_splits k ranges a tile (the kernel picks the count unless forced),
-    # their fp32 partial products summed by grouped_mm_split_sum; the count follows them. Its
-    # kernels skip too (a few rows a group).
+    # their fp32 partial products summed by grouped_mm_split_sum; the count and the groups'
+    # last row follow them. Its kernels skip too (a few rows a group).
     max_splits = splits or grouped_mm_sm90_split_k(M, N, K, G)
     if max_splits > 1:
         name += "_skip_split"
@@ -160,7 +160,7 @@ def grouped_mm(a, b, offs, bias, out, num_stages=None, skip_past_rows=None, spli
                                 (64, 64, 1), _OUT_MAP_TYPES[out.dtype])
     num_stages = min(num_stages or cfg.num_stages, _MAX_STAGES)
     sms = _num_sms(dev)
-    partial = (torch.empty(max_splits * M * N + 1, device=a.device, dtype=torch.float32)
+    partial = (torch.empty(max_splits * M * N + 2, device=a.device, dtype=torch.float32)
                if max_splits > 1 else None)
     offs = offs.contiguous()
     i32, i64 = native.int32, native.int64
@@ -178,5 +178,5 @@ def grouped_mm(a, b, offs, bias, out, num_stages=None, skip_past_rows=None, spli
         native.launch_driver(
             native.kernel("grouped_mm", "grouped_mm_split_sum", dev),
             max(1, min(-(-M * N // 4 // 256), 4 * sms)), 256, 0,
-            partial, out, out_kind, i64(out.stride(0)), offs, i32(M), i32(N), i32(G), i32(max_splits),
+            partial, out, out_kind, i64(out.stride(0)), i32(M), i32(N), i32(max_splits),
         )

@@ -189,10 +189,9 @@ def _scaled_grouped_mm_wgrad_kernel(
     num_tiles = G * per_group
     if ONLY_UNALIGNED:
         # Behind the CUDA kernel, which computes everything when every group after the first
-        # starts at a multiple of 16 rows (clamped offs; csrc/fp8_grouped_mm.cu) and nothing
-        # otherwise: this kernel then does the opposite.
-        prev = tl.load(offs_ptr + g_vec - 1, mask=(g_vec >= 1) & (g_vec < G), other=0)
-        misaligned = tl.max(tl.minimum(tl.maximum(prev, 0), M) % 16, 0)
+        # starts at a multiple of 16 rows (the group bounds of csrc/fp8_grouped_mm.cu, which
+        # are these starts) and nothing otherwise: this kernel then does the opposite.
+        misaligned = tl.max(tl.where((g_vec >= 1) & (g_vec < G), starts % 16, 0), 0)
         num_tiles = tl.where(misaligned == 0, 0, num_tiles)
     for tile in range(pid, num_tiles, NUM_SMS):
         g = tile // per_group
