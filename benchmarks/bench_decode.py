@@ -8,8 +8,13 @@ decoding model reads each layer's weights cold. Two tables:
          experts that received rows over the time (the H200's HBM3e peak: 4.8 TB/s).
   block: the compiled experts block (moe_experts, its default path) against Hugging Face's
          grouped_mm backend compiled plainly and with backend="compiled_moe".
+  fp8:   the FC1/FC2 forward GEMM on FP8 weights quantized beforehand, as FP8 serving runs it
+         (activations quantized beforehand too: the GEMM alone): ours fp8_blockwise against
+         torch._scaled_grouped_mm rowwise and our bf16 GEMM. "TB/s" is the FP8 weight bytes
+         (scales left out) over our time.
 
-    python benchmarks/bench_decode.py [--tokens 1 8 32 128 512] [--models qwen ...] [--json out.json]
+    python benchmarks/bench_decode.py [--tables gemm block fp8] [--tokens 1 8 32 128 512] [--models qwen ...]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 import compiled_moe as cm
 from compiled_moe.kernels import grouped_mm_sm90 as sm90
 from bench_experts import bench_graph, hf_experts_module, skewed_topk
+from bench_fp8 import torch_rowwise
 from bench_grouped_mm import on_triton
 from common import MODELS, environment, graph_of, interleaved, write_json
 
@@ -61,6 +67,43 @@ def gemm_rows(shape, tokens, rounds):
               f"Triton {us['triton']:7.1f} ({us['triton'] / us['ours']:.2f}x) | "
               f"one k range {us['one_range']:7.1f} ({us['one_range'] / us['ours']:.2f}x)", flush=True)
         del x, w, out
+        torch.cuda.empty_cache()
+    return rows
+
+
+def fp8_rows(shape, tokens, rounds):
+    ids, _ = skewed_topk(tokens, shape.experts, shape.top_k)
+    counts = torch.bincount(ids.flatten(), minlength=shape.experts)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    active = int((counts > 0).sum())
+    rows = []
+    for proj, k, n in (("fc1", shape.hidden, 2 * shape.inter), ("fc2", shape.inter, shape.hidden)):
+        torch.manual_seed(0)
+        x = torch.randn(tokens * shape.top_k, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(shape.experts, n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        xq, xs = cm.grouped_quantize(x, offs, "fp8_blockwise")[:2]
+        wq, ws = cm.grouped_quantize(w, None, "fp8_blockwise")[:2]
+        t_xq, t_xs, t_wq, t_ws = torch_rowwise(x, w)
+        fns = {"ours": lambda: cm.scaled_grouped_mm(xq, wq.mT, xs, ws, offs, recipe="fp8_blockwise"),
+               "torch": lambda: torch._scaled_grouped_mm(t_xq, t_wq.mT, t_xs, t_ws, offs=offs,
+                                                         out_dtype=torch.bfloat16),
+               "bf16": lambda: cm.grouped_mm(x, w.mT, offs)}
+        ref = fns["bf16"]().float()
+        for name in ("ours", "torch"):
+            err = ((fns[name]().float() - ref).norm() / ref.norm()).item()
+            assert err < 8e-2, f"{shape.name} T={tokens} {proj} {name}: relative error {err:.2e}"
+        us = {name: t * 1e3 for name, t in interleaved({n: graph_of(fn).replay for n, fn in fns.items()},
+                                                       rounds).items()}
+        weight_bytes = active * n * k
+        r = dict(model=shape.name, tokens=tokens, proj=proj, active_experts=active,
+                 weight_mb=weight_bytes / 1e6, **{f"{n_}_us": t for n_, t in us.items()})
+        r["ours_tbps"] = weight_bytes / us["ours"] / 1e6
+        rows.append(r)
+        print(f"{shape.name:16s} T={tokens:4d} {proj} fp8 {r['weight_mb']:7.1f} MB | "
+              f"ours {us['ours']:7.1f} us {r['ours_tbps']:5.2f} TB/s | "
+              f"torch rowwise {us['torch']:7.1f} ({us['torch'] / us['ours']:.2f}x) | "
+              f"our bf16 {us['bf16']:7.1f} ({us['bf16'] / us['ours']:.2f}x)", flush=True)
+        del x, w, xq, wq, t_xq, t_wq
         torch.cuda.empty_cache()
     return rows
 
@@ -107,22 +150,25 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 128, 512])
     p.add_argument("--models", nargs="*", default=None, help="substrings of model names")
-    p.add_argument("--tables", nargs="+", default=["gemm", "block"], choices=["gemm", "block"])
+    p.add_argument("--tables", nargs="+", default=["gemm", "block", "fp8"], choices=["gemm", "block", "fp8"])
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (best median of each)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     env = environment()
     print(f"# {env}")
     models = [m for m in MODELS if not args.models or any(s.lower() in m.name.lower() for s in args.models)]
-    gemm, block = [], []
+    gemm, block, fp8 = [], [], []
     for shape in models:
         if "gemm" in args.tables:
             for tokens in args.tokens:
                 gemm += gemm_rows(shape, tokens, args.rounds)
+        if "fp8" in args.tables:
+            for tokens in args.tokens:
+                fp8 += fp8_rows(shape, tokens, args.rounds)
         if "block" in args.tables:
             block += block_rows(shape, args.tokens)
     if args.json:
-        write_json(args.json, dict(environment=env, gemm=gemm, block=block))
+        write_json(args.json, dict(environment=env, gemm=gemm, block=block, fp8=fp8))
 
 
 if __name__ == "__main__":
