@@ -137,15 +137,22 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
       u32 phase = 0;
       for (int t = first_tile; t < num_tiles; t += tile_step) {
         const Tile tile = my_tile(t);
+        // a's box is 64 rows. Without a cluster the second box is loaded only where the second
+        // consumer has rows of the group (it skips the tile otherwise, below): at a few rows a
+        // group, half the a bytes a stage land in shared memory (TMA's zeros past M included).
+        const bool second_half = CLUSTER > 1 || tile.row0 + 64 < tile.row_end;
         for (int kb = 0; kb < num_kb; ++kb) {
           mbar_wait(&empty[stage], phase ^ 1);
           unsigned char* dst = smem + stage * STAGE_BYTES;
-          mbar_expect_tx(&full[stage], STAGE_BYTES);
-          if constexpr (CLUSTER > 1)  // a's box is 64 rows: this CTA's half, to both CTAs
+          mbar_expect_tx(&full[stage], second_half ? STAGE_BYTES : STAGE_BYTES - TILE_BYTES / 2);
+          if constexpr (CLUSTER > 1) {  // this CTA's half of a, to both CTAs
             tma_load_2d_multicast(dst + rank * (TILE_BYTES / 2), &a_map, &full[stage], kb * BLOCK_K,
                                   tile.row0 + 64 * rank, (unsigned short)((1 << CLUSTER) - 1));
-          else
+          } else {
             tma_load_2d(dst, &a_map, &full[stage], kb * BLOCK_K, tile.row0);
+            if (second_half)
+              tma_load_2d(dst + TILE_BYTES / 2, &a_map, &full[stage], kb * BLOCK_K, tile.row0 + 64);
+          }
           // Columns past N (the second half of the last pair) load as zeros.
           tma_load_3d(dst + TILE_BYTES, &b_map, &full[stage], kb * BLOCK_K, tile.col0, tile.group);
           if (++stage == num_stages) { stage = 0; phase ^= 1; }
@@ -297,7 +304,7 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
 
 #define FP8_BLOCKWISE_KERNEL(NAME, CLUSTER, ATTRS)                                                         \
   extern "C" __global__ void __launch_bounds__(THREADS, 1) ATTRS NAME(                                     \
-      const __grid_constant__ TensorMap a_map, /* a (M, K) e4m3: dims {K, M}, box {128, 128 / CLUSTER} */  \
+      const __grid_constant__ TensorMap a_map, /* a (M, K) e4m3: dims {K, M}, box {128, 64} */            \
       const __grid_constant__ TensorMap b_map, /* b (G, N, K) e4m3: dims {K, N, G}, box {128, 128, 1} */    \
       const __grid_constant__ TensorMap out_map, /* out (M, N): dims {N, M, 1}, box {128 bytes, 64, 1} */   \
       const float* __restrict__ a_scale, long long a_scale_stride_m, int a_scale_stride_k,                 \

@@ -73,8 +73,8 @@ def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, num_stages=None, cluste
     i32, i64 = native.int32, native.int64
     cfg = fp8_blockwise_sm90_config(size_hint(M), N, K, G)
     cluster = cluster or cfg.cluster
-    # With a cluster, each CTA loads its 128 // cluster rows of the a tile into every CTA.
-    a_map = native.tensor_map(a.data_ptr(), (K, M), (a.stride(0),), (128, 128 // cluster))
+    # Boxes of 64 rows: a tile's two halves (with a cluster, each CTA loads one into both).
+    a_map = native.tensor_map(a.data_ptr(), (K, M), (a.stride(0),), (128, 64))
     shared = lambda n: _shared_bytes(G, n, out.dtype)  # noqa: E731
     num_stages = fit_stages(num_stages or cfg.num_stages, shared)
     b_map = native.tensor_map(b.data_ptr(), (K, N, G), (b.stride(2), b.stride(0)), (128, 128, 1))
