@@ -75,6 +75,7 @@ def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, num_stages=None, cluste
     cluster = cluster or cfg.cluster
     # Boxes of 64 rows: a tile's two halves (with a cluster, each CTA loads one into both).
     a_map = native.tensor_map(a.data_ptr(), (K, M), (a.stride(0),), (128, 64))
+    a_rows_map = native.tensor_map(a.data_ptr(), (K, M), (a.stride(0),), (128, 16))  # a few rows
     shared = lambda n: _shared_bytes(G, n, out.dtype)  # noqa: E731
     num_stages = fit_stages(num_stages or cfg.num_stages, shared)
     b_map = native.tensor_map(b.data_ptr(), (K, N, G), (b.stride(2), b.stride(0)), (128, 128, 1))
@@ -89,7 +90,7 @@ def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, num_stages=None, cluste
         grid = min(grid, cluster * max(fit, 1))
     native.launch_driver(
         kernel, grid, _THREADS, shared(num_stages),
-        a_map, b_map, out_map,
+        a_map, a_rows_map, b_map, out_map,
         a_scale, i64(a_scale.stride(0)), i32(a_scale.stride(1)),
         b_scale, i64(b_scale.stride(0)), i32(b_scale.stride(1)), i32(b_scale.stride(2)),
         out, i32(_OUT_KINDS[out.dtype]), i64(out.stride(0)),
