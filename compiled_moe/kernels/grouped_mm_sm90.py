@@ -155,7 +155,11 @@ def grouped_mm(a, b, offs, bias, out, num_stages=None, skip_past_rows=None, spli
         name += "_skip_split"
     elif cfg.skip_past_rows if skip_past_rows is None else skip_past_rows:
         name += "_skip"
-    a_map = native.tensor_map(a.data_ptr(), (K * 2, M), (a.stride(0) * 2,), (128, 128))
+    # The skipping kernels load a's tile as two 64-row boxes, or 16-row boxes where a group has
+    # a few rows left; the others as one box of 128 rows (the second map is then unused).
+    skipping = name.endswith(("_skip", "_skip_split"))
+    a_map = native.tensor_map(a.data_ptr(), (K * 2, M), (a.stride(0) * 2,), (128, 64 if skipping else 128))
+    a_rows_map = native.tensor_map(a.data_ptr(), (K * 2, M), (a.stride(0) * 2,), (128, 16)) if skipping else a_map
     out_map = native.tensor_map(out.data_ptr(), (N, M, 1), (out.stride(0) * 2, out.stride(0) * 2 * M),
                                 (64, 64, 1), _OUT_MAP_TYPES[out.dtype])
     num_stages = min(num_stages or cfg.num_stages, _MAX_STAGES)
@@ -168,7 +172,7 @@ def grouped_mm(a, b, offs, bias, out, num_stages=None, skip_past_rows=None, spli
     native.launch_driver(
         native.kernel("grouped_mm", name, dev),
         sms, _THREADS, _shared_bytes(num_stages, G),
-        a_map, b_map, out_map, out, out_kind, i64(out.stride(0)),
+        a_map, a_rows_map, b_map, out_map, out, out_kind, i64(out.stride(0)),
         bias if bias is not None else i64(0), i32(_OUT_KINDS[bias.dtype] if bias is not None else -1),
         i64(bias.stride(0) if bias is not None else 0),
         offs, i32(M), i32(N), i32(K), i32(G), i32(num_stages),
