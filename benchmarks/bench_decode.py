@@ -31,16 +31,37 @@ from bench_grouped_mm import on_triton
 from common import MODELS, environment, graph_of, interleaved, write_json
 
 
-def gemm_rows(shape, tokens, rounds):
+def serving_gemms(shape, tokens):
+    """FC1 and FC2 of `shape` at `tokens` tokens, skewed top-k routing: yields the projection,
+    x (tokens * top_k, K) and w (experts, N, K) in bf16, offs, and the experts with rows."""
     ids, _ = skewed_topk(tokens, shape.experts, shape.top_k)
     counts = torch.bincount(ids.flatten(), minlength=shape.experts)
     offs = torch.cumsum(counts, 0).to(torch.int32)
     active = int((counts > 0).sum())
-    rows = []
     for proj, k, n in (("fc1", shape.hidden, 2 * shape.inter), ("fc2", shape.inter, shape.hidden)):
         torch.manual_seed(0)
         x = torch.randn(tokens * shape.top_k, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(shape.experts, n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        yield proj, x, w, offs, active
+        del x, w
+        torch.cuda.empty_cache()
+
+
+def timed_row(fns, rounds, weight_bytes, **row):
+    """The contenders' GPU time (us) from CUDA-graph replay in interleaved rounds, as a table
+    row with ours in TB/s of weight_bytes. graph_of calls each fn while it captures, so a
+    setting a fn makes at call time (on_triton's) holds for the capture."""
+    us = {name: t * 1e3 for name, t in interleaved({n: graph_of(fn).replay for n, fn in fns.items()},
+                                                   rounds).items()}
+    row.update(weight_mb=weight_bytes / 1e6, ours_tbps=weight_bytes / us["ours"] / 1e6,
+               **{f"{n}_us": t for n, t in us.items()})
+    return row, us
+
+
+def gemm_rows(shape, tokens, rounds):
+    rows = []
+    for proj, x, w, offs, active in serving_gemms(shape, tokens):
+        n, k = w.shape[1:]
         out = x.new_empty(x.shape[0], n)
         fns = {"ours": lambda: cm.grouped_mm(x, w.mT, offs),
                "torch": lambda: torch._grouped_mm(x, w.mT, offs),
@@ -53,34 +74,21 @@ def gemm_rows(shape, tokens, rounds):
             got = out if got is None else got
             err = ((got.float() - ref).norm() / ref.norm()).item()
             assert err < 2e-2, f"{shape.name} T={tokens} {proj} {name}: relative error {err:.2e}"
-        # graph_of calls fn while it captures, so on_triton's setting holds for the capture.
-        us = {name: t * 1e3 for name, t in interleaved({n: graph_of(fn).replay for n, fn in fns.items()},
-                                                       rounds).items()}
-        weight_bytes = active * n * k * 2
-        r = dict(model=shape.name, tokens=tokens, proj=proj, active_experts=active,
-                 weight_mb=weight_bytes / 1e6, **{f"{n_}_us": t for n_, t in us.items()})
-        r["ours_tbps"] = weight_bytes / us["ours"] / 1e6
+        r, us = timed_row(fns, rounds, active * n * k * 2, model=shape.name, tokens=tokens, proj=proj,
+                          active_experts=active)
         rows.append(r)
         print(f"{shape.name:16s} T={tokens:4d} {proj} experts {active:3d} {r['weight_mb']:7.1f} MB | "
               f"ours {us['ours']:7.1f} us {r['ours_tbps']:5.2f} TB/s | "
               f"torch {us['torch']:7.1f} ({us['torch'] / us['ours']:.2f}x) | "
               f"Triton {us['triton']:7.1f} ({us['triton'] / us['ours']:.2f}x) | "
               f"one k range {us['one_range']:7.1f} ({us['one_range'] / us['ours']:.2f}x)", flush=True)
-        del x, w, out
-        torch.cuda.empty_cache()
     return rows
 
 
 def fp8_rows(shape, tokens, rounds):
-    ids, _ = skewed_topk(tokens, shape.experts, shape.top_k)
-    counts = torch.bincount(ids.flatten(), minlength=shape.experts)
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    active = int((counts > 0).sum())
     rows = []
-    for proj, k, n in (("fc1", shape.hidden, 2 * shape.inter), ("fc2", shape.inter, shape.hidden)):
-        torch.manual_seed(0)
-        x = torch.randn(tokens * shape.top_k, k, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(shape.experts, n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    for proj, x, w, offs, active in serving_gemms(shape, tokens):
+        n, k = w.shape[1:]
         xq, xs = cm.grouped_quantize(x, offs, "fp8_blockwise")[:2]
         wq, ws = cm.grouped_quantize(w, None, "fp8_blockwise")[:2]
         t_xq, t_xs, t_wq, t_ws = torch_rowwise(x, w)
@@ -92,19 +100,13 @@ def fp8_rows(shape, tokens, rounds):
         for name in ("ours", "torch"):
             err = ((fns[name]().float() - ref).norm() / ref.norm()).item()
             assert err < 8e-2, f"{shape.name} T={tokens} {proj} {name}: relative error {err:.2e}"
-        us = {name: t * 1e3 for name, t in interleaved({n: graph_of(fn).replay for n, fn in fns.items()},
-                                                       rounds).items()}
-        weight_bytes = active * n * k
-        r = dict(model=shape.name, tokens=tokens, proj=proj, active_experts=active,
-                 weight_mb=weight_bytes / 1e6, **{f"{n_}_us": t for n_, t in us.items()})
-        r["ours_tbps"] = weight_bytes / us["ours"] / 1e6
+        r, us = timed_row(fns, rounds, active * n * k, model=shape.name, tokens=tokens, proj=proj,
+                          active_experts=active)
         rows.append(r)
         print(f"{shape.name:16s} T={tokens:4d} {proj} fp8 {r['weight_mb']:7.1f} MB | "
               f"ours {us['ours']:7.1f} us {r['ours_tbps']:5.2f} TB/s | "
               f"torch rowwise {us['torch']:7.1f} ({us['torch'] / us['ours']:.2f}x) | "
               f"our bf16 {us['bf16']:7.1f} ({us['bf16'] / us['ours']:.2f}x)", flush=True)
-        del x, w, xq, wq, t_xq, t_wq
-        torch.cuda.empty_cache()
     return rows
 
 
