@@ -323,11 +323,12 @@ def test_cuda_kernels_corrupt_offsets(offs):
     tol = dict(rtol=1e-2, atol=1e-2 * 4)
     for a, b, bias_ in ((x, w.mT, bias), (x, w.mT.contiguous(), None), (dy, w, None)):
         want = loop_grouped_mm(a, b, offs, bias_).to(DEV)
-        for splits in (None, 1, 2):
+        # the default, the plain and the skipping kernels, and two k ranges
+        for splits, skip in ((None, None), (1, False), (1, True), (2, None)):
             out = torch.full((M, b.shape[2]), float("nan"), device=DEV, dtype=torch.bfloat16)
             with no_sync():
-                sm90.grouped_mm(a, b, offs, bias_, out, splits=splits)
-            torch.testing.assert_close(out.double(), want, **tol, msg=f"{splits} k ranges")
+                sm90.grouped_mm(a, b, offs, bias_, out, skip_past_rows=skip, splits=splits)
+            torch.testing.assert_close(out.double(), want, **tol, msg=f"{splits} k ranges, skip {skip}")
     main = torch.randn(G, K, N, device=DEV)
     mask = torch.tensor([True, False, True, False], device=DEV)
     wgrad = loop_wgrad(x, dy, offs).to(DEV)
