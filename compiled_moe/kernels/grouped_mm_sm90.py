@@ -159,7 +159,8 @@ def grouped_mm(a, b, offs, bias, out, num_stages=None, skip_past_rows=None, spli
     # a few rows left; the others as one box of 128 rows (the second map is then unused).
     skipping = name.endswith(("_skip", "_skip_split"))
     a_map = native.tensor_map(a.data_ptr(), (K * 2, M), (a.stride(0) * 2,), (128, 64 if skipping else 128))
-    a_rows_map = native.tensor_map(a.data_ptr(), (K * 2, M), (a.stride(0) * 2,), (128, 16)) if skipping else a_map
+    a_rows_map = (native.tensor_map(a.data_ptr(), (K * 2, M), (a.stride(0) * 2,), (128, 16))
+                  if skipping else a_map)
     out_map = native.tensor_map(out.data_ptr(), (N, M, 1), (out.stride(0) * 2, out.stride(0) * 2 * M),
                                 (64, 64, 1), _OUT_MAP_TYPES[out.dtype])
     num_stages = min(num_stages or cfg.num_stages, _MAX_STAGES)
