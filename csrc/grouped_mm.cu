@@ -528,7 +528,7 @@ __device__ __forceinline__ void grouped_mm_fwd(
 
 #define FWD_KERNEL(NAME, F16, B_NMAJOR, SKIP, SPLIT)                                                      \
   extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                          \
-      const __grid_constant__ TensorMap a_map, /* a (M, K): bytes {2K, M}, box {128, 128}; SKIP: {128, 64} */ \
+      const __grid_constant__ TensorMap a_map, /* a (M, K): bytes {2K, M}, box {128, 128} (SKIP: 64) */    \
       const __grid_constant__ TensorMap a_rows_map, /* SKIP: the same, box {128, 16} */                    \
       const __grid_constant__ TensorMap b_map, /* K-major: bytes {2K, N, G}, box {128, 256, 1};             \
                                                   N-major: bytes {2N, K, G}, box {128, 64, 1} */           \
@@ -536,9 +536,9 @@ __device__ __forceinline__ void grouped_mm_fwd(
       void* __restrict__ out, int out_kind, long long out_stride_m, const void* __restrict__ bias,         \
       int bias_kind, long long bias_stride_g, const int* __restrict__ offs, int M, int N, int K, int G,    \
       int num_stages, float* __restrict__ partial, int max_splits, int force_splits) {                     \
-    grouped_mm_fwd<F16, B_NMAJOR, SKIP, SPLIT>(a_map, a_rows_map, b_map, out_map, out, out_kind, out_stride_m, bias,   \
-                                               bias_kind, bias_stride_g, offs, M, N, K, G, num_stages,     \
-                                               partial, max_splits, force_splits);                         \
+    grouped_mm_fwd<F16, B_NMAJOR, SKIP, SPLIT>(a_map, a_rows_map, b_map, out_map, out, out_kind,          \
+                                               out_stride_m, bias, bias_kind, bias_stride_g, offs, M, N, K, \
+                                               G, num_stages, partial, max_splits, force_splits);          \
   }
 
 FWD_KERNEL(grouped_mm_bf16, false, false, false, false)
