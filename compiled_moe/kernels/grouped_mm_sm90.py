@@ -151,13 +151,10 @@ def grouped_mm(a, b, offs, bias, out, num_stages=None, skip_past_rows=None, spli
     # their fp32 partial products summed by grouped_mm_split_sum; the count and the groups'
     # last row follow them. Its kernels skip too (a few rows a group).
     max_splits = splits or grouped_mm_sm90_split_k(M, N, K, G)
-    if max_splits > 1:
-        name += "_skip_split"
-    elif cfg.skip_past_rows if skip_past_rows is None else skip_past_rows:
-        name += "_skip"
+    skipping = max_splits > 1 or (cfg.skip_past_rows if skip_past_rows is None else skip_past_rows)
+    name += "_skip_split" if max_splits > 1 else "_skip" if skipping else ""
     # The skipping kernels load a's tile as two 64-row boxes, or 16-row boxes where a group has
     # a few rows left; the others as one box of 128 rows (the second map is then unused).
-    skipping = name.endswith(("_skip", "_skip_split"))
     a_map = native.tensor_map(a.data_ptr(), (K * 2, M), (a.stride(0) * 2,), (128, 64 if skipping else 128))
     a_rows_map = (native.tensor_map(a.data_ptr(), (K * 2, M), (a.stride(0) * 2,), (128, 16))
                   if skipping else a_map)
