@@ -752,3 +752,15 @@ def test_fp8_cuda_kernel_limits():
     a = torch.zeros(256, 512, dtype=R.FP8_DTYPE)
     b = torch.zeros(4, 256, 512, dtype=R.FP8_DTYPE).mT
     assert not sm90.supported(a, b, "fp8_blockwise")
+
+
+def test_fp8_cluster_rule():
+    """The CUDA FP8 forward pairs CTAs (a tiles shared by TMA multicast) only where one expert's
+    weight exceeds the L2 and the groups average two row tiles or more: Mixtral's training
+    shapes, not its decoding ones, nor DeepSeek-V3's."""
+    from compiled_moe.kernels import configs
+    assert configs.fp8_blockwise_sm90_config(8192, 28672, 4096, 8).cluster == 2   # Mixtral FC1
+    assert configs.fp8_blockwise_sm90_config(8192, 4096, 14336, 8).cluster == 2   # Mixtral FC2
+    assert configs.fp8_blockwise_sm90_config(64, 28672, 4096, 8).cluster == 1     # T = 32
+    assert configs.fp8_blockwise_sm90_config(1024, 4096, 14336, 8).cluster == 1   # T = 512
+    assert configs.fp8_blockwise_sm90_config(32768, 4096, 7168, 32).cluster == 1  # DeepSeek-V3
