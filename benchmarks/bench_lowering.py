@@ -13,6 +13,7 @@
 
     python benchmarks/bench_lowering.py [--models qwen] [--tokens 8192] [--json out.json]
     python benchmarks/bench_lowering.py --profile     # where the GPU time goes, per kernel
+    python benchmarks/bench_lowering.py --host-only   # (b) alone
 """
 
 from __future__ import annotations
@@ -221,6 +222,7 @@ def main():
     p.add_argument("--models", nargs="*", default=["Qwen3"], help="substrings of model names")
     p.add_argument("--tokens", type=int, default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--host-only", action="store_true", help="only (b), the host-time table")
     p.add_argument("--profile", action="store_true",
                    help="only the per-kernel GPU time of the rewritten graph and of moe_experts")
     args = p.parse_args()
@@ -230,7 +232,7 @@ def main():
     if args.profile:
         profile_rows(models, args.tokens)
         return
-    rows = hf_rows(models, args.tokens)
+    rows = [] if args.host_only else hf_rows(models, args.tokens)
     host = host_rows()
     print(f"\n{'HF grouped_mm backend':22s} {'T':>5s} {'pass':8s} {'plain compile':>13s} "
           f"{'backend=compiled_moe':>20s} {'speedup':>8s} {'max|diff|':>9s}   (ms)")
