@@ -7,6 +7,10 @@ variant's; `torch._grouped_mm` is timed beside the bf16 ones.
     python benchmarks/ab_variants.py fp8-wgrad 4 3 5               # stages
     python benchmarks/ab_variants.py bf16-forward 3,0 3,1          # stages,skip_past_rows
     python benchmarks/ab_variants.py bf16-dgrad 3,0 3,1 --models Qwen3 --tokens 8192
+    python benchmarks/ab_variants.py fp8-forward 1,5 2,5 --serving --models Mixtral
+
+--serving: the forward passes at bench_decode's serving shapes instead (T = 1, 8, 32, 128, 512,
+or --tokens; skewed top-k routing), timed by CUDA-graph replay with the L2 flushed.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_fp8 import padded_offsets, problem  # noqa: E402
-from common import MODELS, gmean, interleaved, offsets  # noqa: E402
+from common import MODELS, gmean, graph_of, interleaved, offsets  # noqa: E402
 
 import compiled_moe as cm  # noqa: E402
 from compiled_moe.kernels import grouped_mm_sm90, scaled_grouped_mm_sm90 as fp8_sm90  # noqa: E402
@@ -35,12 +39,17 @@ def name(v) -> str:
     return v if isinstance(v, str) else ",".join(map(str, v))
 
 
-def case(pas, variants, M0, K, N, G, routing):
-    """(flops, {variant: fn}, {variant: output}) of one problem; bf16 passes add torch's fn."""
+def case(pas, variants, M0, K, N, G, routing, inputs=None):
+    """(flops, {variant: fn}, {variant: output}) of one problem; bf16 passes add torch's fn.
+    inputs: (x, w, offs) to use instead of drawing them."""
     torch.manual_seed(0)
-    offs, M = padded_offsets(M0, G, routing) if pas.startswith("fp8") else (offsets(M0, G, routing), M0)
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16) / math.sqrt(K)
+    if inputs is not None:
+        x, w, offs = inputs
+        M, (G, N, K) = x.shape[0], w.shape
+    else:
+        offs, M = padded_offsets(M0, G, routing) if pas.startswith("fp8") else (offsets(M0, G, routing), M0)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16) / math.sqrt(K)
     if pas == "fp8-forward":
         xq = cm.grouped_quantize(x, offs, "fp8_blockwise")
         wq = cm.grouped_quantize(w, None, "fp8_blockwise")
@@ -67,30 +76,49 @@ def case(pas, variants, M0, K, N, G, routing):
     return 2 * M * K * N, fns, outs
 
 
+def training_cases(args, variants, models):
+    for shape, routing, proj in itertools.product(models, ("uniform", "skewed"), ("fc1", "fc2")):
+        if args.tokens:
+            shape = dataclasses.replace(shape, tokens=args.tokens[0])
+        M0, K, N, G = problem(shape, proj)
+        yield (f"{shape.name} T={shape.tokens} {routing} {proj}",
+               *case(args.pass_, variants, M0, K, N, G, routing))
+
+
+def serving_cases(args, variants, models):
+    from bench_decode import serving_gemms
+
+    if not args.pass_.endswith("forward"):
+        raise SystemExit("--serving times the forward passes")
+    for shape, tokens in itertools.product(models, args.tokens or (1, 8, 32, 128, 512)):
+        for proj, x, w, offs, _ in serving_gemms(shape, tokens):
+            yield (f"{shape.name} T={tokens} {proj}",
+                   *case(args.pass_, variants, 0, 0, 0, 0, None, inputs=(x, w, offs)))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("pass_", choices=PASSES)
     p.add_argument("variants", nargs="+", help="comma-separated ints, as in the examples")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--models", nargs="*", help="name prefixes of the shapes to run (default: all)")
-    p.add_argument("--tokens", type=int, help="tokens of every shape instead of its own")
+    p.add_argument("--tokens", type=int, nargs="*", help="tokens of every shape instead of its own")
+    p.add_argument("--serving", action="store_true", help="bench_decode's serving shapes (forward passes)")
     args = p.parse_args()
     variants = [tuple(int(x) for x in v.split(",")) for v in args.variants]
     models = [m for m in MODELS if not args.models or any(m.name.startswith(n) for n in args.models)]
     rows = []
-    for shape, routing, proj in itertools.product(models, ("uniform", "skewed"), ("fc1", "fc2")):
-        if args.tokens:
-            shape = dataclasses.replace(shape, tokens=args.tokens)
-        M0, K, N, G = problem(shape, proj)
-        flops, fns, outs = case(args.pass_, variants, M0, K, N, G, routing)
+    for label, flops, fns, outs in (serving_cases(args, variants, models) if args.serving
+                                    else training_cases(args, variants, models)):
         for f in fns.values():
             f()
         torch.cuda.synchronize()
         same = all(torch.equal(outs[variants[0]], outs[v]) for v in variants)
+        if args.serving:
+            fns = {v: graph_of(f).replay for v, f in fns.items()}
         tf = {v: flops / (t * 1e-3) / 1e12 for v, t in interleaved(fns, args.rounds).items()}
         rows.append(tf)
-        print(f"{shape.name} T={shape.tokens} {routing} {proj}".ljust(42)
-              + " ".join(f"{name(v)}: {tf[v]:5.0f} ({tf[v] / tf[variants[0]]:.3f})" for v in fns)
+        print(label.ljust(42) + " ".join(f"{name(v)}: {tf[v]:5.0f} ({tf[v] / tf[variants[0]]:.3f})" for v in fns)
               + ("" if same else "  OUTPUTS DIFFER"), flush=True)
         del fns, outs
         torch.cuda.empty_cache()
