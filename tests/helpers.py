@@ -180,3 +180,11 @@ def special_values(M, K, gen):
     x[7, : K // 2] = -0.0
     x[10] *= 1e-32
     return x
+
+
+# Decreasing offsets and offsets past M (M = 512): group g owns rows [running max of the
+# clamped ends before g, max(that, its own clamped end)), as reference.group_bounds says.
+# [160, 96, 600, 320]: groups 0..159, empty, 160..511, empty; [-32, 128, 64, 256]: empty,
+# 0..127, empty, 128..255, rows 256.. past the end. Starts are multiples of 16 (the FP8
+# weight-gradient kernel's condition), so every CUDA kernel runs them.
+CORRUPT_OFFSETS = [[160, 96, 600, 320], [-32, 128, 64, 256]]

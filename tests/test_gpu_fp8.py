@@ -9,7 +9,7 @@ import torch
 
 import compiled_moe as cm
 from compiled_moe import reference as R
-from helpers import capture_graph, no_sync, poison_allocator
+from helpers import CORRUPT_OFFSETS, capture_graph, no_sync, poison_allocator
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -330,7 +330,7 @@ def test_fp8_cuda_wgrad_matches_reference_and_triton(shape, recipe, monkeypatch)
                                    msg=str(out_dtype))
 
 
-@pytest.mark.parametrize("offs", [[160, 96, 600, 320], [-32, 128, 64, 256]])
+@pytest.mark.parametrize("offs", CORRUPT_OFFSETS)
 def test_fp8_cuda_kernels_corrupt_offsets(offs):
     """Decreasing offsets and offsets past M: the blockwise forward and the weight gradient's
     CUDA kernels take the reference's group bounds (a running maximum of the clamped ends; the

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import compiled_moe as cm
-from helpers import (assert_matches_oracle, loop_grouped_mm, loop_grouped_sum, loop_wgrad, no_sync,
-                     poison_allocator)
+from helpers import (CORRUPT_OFFSETS, assert_matches_oracle, loop_grouped_mm, loop_grouped_sum, loop_wgrad,
+                     no_sync, poison_allocator)
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -296,14 +296,6 @@ def test_cuda_forward_split_k(shape):
                                        msg=f"{splits} k ranges")
         torch.testing.assert_close(cm.grouped_mm(a, b, offs, bias=bias).double(), want, rtol=1e-2,
                                    atol=1e-2 * want.abs().max().item())
-
-
-# Decreasing offsets and offsets past M (M = 512): group g owns rows [running max of the
-# clamped ends before g, max(that, its own clamped end)), as reference.group_bounds says.
-# [160, 96, 600, 320]: groups 0..159, empty, 160..511, empty; [-32, 128, 64, 256]: empty,
-# 0..127, empty, 128..255, rows 256.. past the end. Starts are multiples of 16 (the FP8
-# weight-gradient kernel's condition), so every CUDA kernel runs them.
-CORRUPT_OFFSETS = [[160, 96, 600, 320], [-32, 128, 64, 256]]
 
 
 @pytest.mark.parametrize("offs", CORRUPT_OFFSETS)
