@@ -235,6 +235,34 @@ def test_cuda_kernels_match_oracle_and_triton(shape, dtype, monkeypatch):
             assert (g[end:] == 0).all(), name
 
 
+@pytest.mark.parametrize("shape", [CUDA_SHAPES[0], CUDA_SHAPES[2]])
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_forward_bias_layouts(shape, bias_dtype):
+    """The CUDA forward copies each thread's two bias columns into shared memory as one 4- or
+    8-byte piece: a bias whose rows start at odd element offsets (an odd row stride, a view one
+    element in) must give the bits of the contiguous bias, and every layout the oracle's sum."""
+    from compiled_moe.kernels import grouped_mm_sm90 as sm90
+    M, K, N, G, tail = shape
+    torch.manual_seed(N)
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device=DEV, dtype=torch.bfloat16) / K ** 0.5
+    bias = torch.randn(G, N, device=DEV).to(bias_dtype)
+    offs = skewed_offsets(M, G, seed=M, empty_groups=min(1, G - 1), tail=tail)
+    wide = torch.zeros(G, N + 1, device=DEV, dtype=bias_dtype)
+    wide[:, :N] = bias
+    shifted = torch.zeros(G * N + 1, device=DEV, dtype=bias_dtype)[1:].view(G, N)
+    shifted.copy_(bias)
+    layouts = [bias, wide[:, :N], shifted]
+    assert all(sm90.supported(x, w.mT, b, torch.bfloat16) for b in layouts)
+    cm.grouped_mm(x, w.mT, offs, bias=bias)  # compile outside the sync check
+    with no_sync():
+        outs = [cm.grouped_mm(x, w.mT, offs, bias=b) for b in layouts]
+    for name, out in zip(["odd row stride", "odd offset"], outs[1:]):
+        assert torch.equal(out, outs[0]), name
+    assert_matches_oracle(outs[0], loop_grouped_mm(x, w.mT, offs, bias),
+                          loop_grouped_mm(x, w.mT, offs, bias, dtype=torch.bfloat16), atol=1e-3)
+
+
 @pytest.mark.parametrize("shape", CUDA_SHAPES)
 def test_cuda_forward_kernels_skip_past_rows_bitwise(shape):
     """The forward/dgrad kernel has two instantiations, chosen by rows per group

@@ -165,6 +165,9 @@ def grouped_mm(a, b, offs, bias, out, num_stages=None, skip_past_rows=None, spli
     partial = (torch.empty(max_splits * M * N + 2, device=a.device, dtype=torch.float32)
                if max_splits > 1 else None)
     offs = offs.contiguous()
+    if bias is not None and (bias.stride(0) % 2 or bias.data_ptr() % (2 * bias.element_size())):
+        # The kernel copies each thread's two bias columns as one 4- or 8-byte piece.
+        bias = bias.clone(memory_format=torch.contiguous_format)
     i32, i64 = native.int32, native.int64
     out_kind = i32(_OUT_KINDS[out.dtype])
     native.launch_driver(
