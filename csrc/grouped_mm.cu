@@ -311,15 +311,6 @@ __device__ __forceinline__ int split_count(int tiles, int blocks, int max_splits
 
 constexpr int MAX_GROUPS = 1024;  // the tile list lives in shared memory beside the ring
 
-__device__ __forceinline__ float load_float(const void* p, int kind, long long i) {
-  if (kind == 2) return ((const float*)p)[i];
-  const unsigned short h = ((const unsigned short*)p)[i];
-  float f;
-  if (kind == 0) asm("{ .reg .b32 t; mov.b32 t, {0, %1}; mov.b32 %0, t; }" : "=f"(f) : "h"(h));
-  else asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-}
-
 // Two 16-bit values of a word (the first in the low half) as floats: kind 0 bf16, 1 fp16.
 __device__ __forceinline__ float2 unpack_pair(u32 w, int kind) {
   if (kind == 0) return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
@@ -327,6 +318,12 @@ __device__ __forceinline__ float2 unpack_pair(u32 w, int kind) {
   asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(w & 0xffffu)));
   asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(w >> 16)));
   return make_float2(lo, hi);
+}
+
+// Columns c and c + 1 of a tile's bias as staged by the forward (kind: 2 fp32, else 16-bit).
+__device__ __forceinline__ float2 staged_bias_pair(const unsigned char* tile_bias, int c, int kind) {
+  if (kind == 2) return *(const float2*)(tile_bias + 4 * c);
+  return unpack_pair(*(const u32*)(tile_bias + 2 * c), kind);
 }
 
 // cp.async of 4 or 8 bytes (BYTES) into shared memory; with src_bytes 0 it writes zeros and reads
@@ -438,7 +435,6 @@ __device__ __forceinline__ void grouped_mm_fwd(
   const int frag_row = warp_in_group * 16 + lane / 4, frag_col = (lane % 4) * 2;
   unsigned char* staging = out_stage + consumer * OUT_STAGE_BYTES;
   unsigned char* tile_bias = bias_stage + consumer * (BLOCK_N * 4);
-  const bool staged_bias = bias_kind >= 0 && !(SPLIT_K && splits > 1);
   float acc[FRAG];
   int stage = 0;
   u32 phase = 0;
@@ -457,10 +453,11 @@ __device__ __forceinline__ void grouped_mm_fwd(
       continue;
     }
     // The bias of the tile's 256 columns goes to shared memory under the k loop (cp.async of each
-    // thread's two columns; columns past N get zeros), for the staging to read. Loaded column
-    // group by column group inside the staging, each load's latency was paid in turn: 1.05-1.52x
-    // the time of the forward without a bias (H200). The previous tile's staging has read the
-    // buffer: every thread passed the barrier after it.
+    // thread's two columns; columns past N get zeros), for the epilogue to read. Loaded column
+    // group by column group inside the epilogue, each load's latency was paid in turn: 1.05-1.52x
+    // the time of the forward without a bias (H200). The previous tile's epilogue has read the
+    // buffer: every thread passed the barrier after it. (Split K: the first range adds it.)
+    const bool staged_bias = bias_kind >= 0 && (!(SPLIT_K && splits > 1) || t % splits == 0);
     if (staged_bias) {
       const int col = tile.col0 + 2 * tid, in_range = col < N;  // (N is even)
       const long long i = tile.group * bias_stride_g + (in_range ? col : 0);
@@ -488,17 +485,16 @@ __device__ __forceinline__ void grouped_mm_fwd(
     if (SPLIT_K && splits > 1) {
       // Split K: this range's fp32 partial products of the group's rows, straight from the
       // fragment (a few rows: no staging), the bias with the first range.
-      const int split = t % splits;
-      float* part = partial + (long long)split * M * N;
-      const bool with_bias = bias_kind >= 0 && split == 0;
+      float* part = partial + (long long)(t % splits) * M * N;
+      if (staged_bias) {
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        named_barrier(1 + consumer, 128);
+      }
 #pragma unroll
       for (int j = 0; j < FRAG / 4; ++j) {
         const int col = tile.col0 + 8 * j + frag_col;
         float2 b = make_float2(0.f, 0.f);
-        if (with_bias && col < N) {
-          const long long i = tile.group * bias_stride_g + col;
-          b = make_float2(load_float(bias, bias_kind, i), load_float(bias, bias_kind, i + 1));
-        }
+        if (staged_bias) b = staged_bias_pair(tile_bias, 8 * j + frag_col, bias_kind);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int row = row0 + frag_row + 8 * r;
@@ -506,6 +502,7 @@ __device__ __forceinline__ void grouped_mm_fwd(
             *(float2*)(part + (long long)row * N + col) = make_float2(acc[4 * j + 2 * r] + b.x, acc[4 * j + 2 * r + 1] + b.y);
         }
       }
+      if (staged_bias) named_barrier(1 + consumer, 128);  // read by all before the next tile's copy
       continue;
     }
 
@@ -520,14 +517,12 @@ __device__ __forceinline__ void grouped_mm_fwd(
     // tensor cores wait for the epilogue.
     if (bias_kind < 0) {
       stage_fragment_16bit<FRAG / 4>(staging, acc, frag_row, frag_col, out_kind, nullptr);
-    } else if (bias_kind == 2) {
-      stage_fragment_16bit<FRAG / 4>(staging, acc, frag_row, frag_col, out_kind, [&](int j) {
-        return *(const float2*)(tile_bias + 4 * (8 * j + frag_col));
-      });
+    } else if (bias_kind == 2) {  // (the kind's branch outside the column groups)
+      stage_fragment_16bit<FRAG / 4>(staging, acc, frag_row, frag_col, out_kind,
+                                     [&](int j) { return staged_bias_pair(tile_bias, 8 * j + frag_col, 2); });
     } else {
-      stage_fragment_16bit<FRAG / 4>(staging, acc, frag_row, frag_col, out_kind, [&](int j) {
-        return unpack_pair(*(const u32*)(tile_bias + 2 * (8 * j + frag_col)), bias_kind);
-      });
+      stage_fragment_16bit<FRAG / 4>(staging, acc, frag_row, frag_col, out_kind,
+                                     [&](int j) { return staged_bias_pair(tile_bias, 8 * j + frag_col, bias_kind); });
     }
     if (row0 + 64 <= tile.row_end) {
       // All 64 rows are the group's: one thread stores them by TMA (clipped at N), and the
