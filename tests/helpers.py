@@ -188,3 +188,16 @@ def special_values(M, K, gen):
 # 0..127, empty, 128..255, rows 256.. past the end. Starts are multiples of 16 (the FP8
 # weight-gradient kernel's condition), so every CUDA kernel runs them.
 CORRUPT_OFFSETS = [[160, 96, 600, 320], [-32, 128, 64, 256]]
+CORRUPT_OFFSETS_SHAPE = (512, 1024, 768)  # M, K, N of the problems they are tried on
+
+
+def corrupt_offsets_problem(offs, seed: int, device="cuda"):
+    """(offs as int32, x (M, K), w (G, N, K) scaled by K^-1/2, dy (M, N)), bf16, for one of
+    CORRUPT_OFFSETS, with (M, K, N) = CORRUPT_OFFSETS_SHAPE."""
+    M, K, N = CORRUPT_OFFSETS_SHAPE
+    torch.manual_seed(seed)
+    offs = torch.tensor(offs, dtype=torch.int32, device=device)
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+    w = torch.randn(offs.shape[0], N, K, device=device, dtype=torch.bfloat16) / K ** 0.5
+    dy = torch.randn(M, N, device=device, dtype=torch.bfloat16)
+    return offs, x, w, dy

@@ -9,7 +9,8 @@ import torch
 
 import compiled_moe as cm
 from compiled_moe import reference as R
-from helpers import CORRUPT_OFFSETS, capture_graph, no_sync, poison_allocator
+from helpers import (CORRUPT_OFFSETS, CORRUPT_OFFSETS_SHAPE, capture_graph, corrupt_offsets_problem,
+                     no_sync, poison_allocator)
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -336,13 +337,9 @@ def test_fp8_cuda_kernels_corrupt_offsets(offs):
     CUDA kernels take the reference's group bounds (a running maximum of the clamped ends; the
     starts are multiples of 16, so the CUDA weight-gradient kernel computes everything)."""
     from compiled_moe.kernels import scaled_grouped_mm_sm90 as sm90
-    M, K, N = 512, 1024, 768
-    torch.manual_seed(12)
-    offs = torch.tensor(offs, dtype=torch.int32, device=DEV)
+    _, K, N = CORRUPT_OFFSETS_SHAPE
+    offs, x, w, d = corrupt_offsets_problem(offs, seed=12)
     G = offs.shape[0]
-    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
-    w = torch.randn(G, N, K, device=DEV, dtype=torch.bfloat16) / K ** 0.5
-    d = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
     xq = cm.grouped_quantize(x, offs, "fp8_blockwise", columnwise=True)
     wq = cm.grouped_quantize(w, None, "fp8_blockwise")
     dq = cm.grouped_quantize(d, offs, "fp8_blockwise", columnwise=True)

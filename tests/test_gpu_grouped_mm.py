@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import compiled_moe as cm
-from helpers import (CORRUPT_OFFSETS, assert_matches_oracle, loop_grouped_mm, loop_grouped_sum, loop_wgrad,
-                     no_sync, poison_allocator)
+from helpers import (CORRUPT_OFFSETS, CORRUPT_OFFSETS_SHAPE, assert_matches_oracle, corrupt_offsets_problem,
+                     loop_grouped_mm, loop_grouped_sum, loop_wgrad, no_sync, poison_allocator)
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -332,13 +332,9 @@ def test_cuda_kernels_corrupt_offsets(offs):
     layouts with a bias, one and several k ranges, dgrad, the weight gradient and its
     accumulation, on poisoned outputs, against the float64 loop."""
     from compiled_moe.kernels import grouped_mm_sm90 as sm90
-    M, K, N = 512, 1024, 768
-    torch.manual_seed(11)
-    offs = torch.tensor(offs, dtype=torch.int32, device=DEV)
+    M, K, N = CORRUPT_OFFSETS_SHAPE
+    offs, x, w, dy = corrupt_offsets_problem(offs, seed=11)
     G = offs.shape[0]
-    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
-    w = torch.randn(G, N, K, device=DEV, dtype=torch.bfloat16) / K ** 0.5
-    dy = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
     bias = torch.randn(G, N, device=DEV)
     tol = dict(rtol=1e-2, atol=1e-2 * 4)
     for a, b, bias_ in ((x, w.mT, bias), (x, w.mT.contiguous(), None), (dy, w, None)):
