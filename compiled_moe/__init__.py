@@ -177,18 +177,19 @@ def grouped_quantize(x: Tensor, offs: Tensor | None = None, recipe: str = "fp8_b
 
 
 def scaled_grouped_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, offs: Tensor, *,
-                      recipe: str = "fp8_blockwise", out_dtype: torch.dtype | None = None
-                      ) -> Tensor:
-    """FP8 grouped product ``out[r] = (a[r] * a_scale) @ (b[g] * b_scale[g])``, (M, N).
+                      recipe: str = "fp8_blockwise", out_dtype: torch.dtype | None = None,
+                      bias: Tensor | None = None) -> Tensor:
+    """FP8 grouped product ``out[r] = (a[r] * a_scale) @ (b[g] * b_scale[g]) (+ bias[g])``, (M, N).
 
     a: (M, K) e4m3 rowwise data with its scale; b: (G, K, N) e4m3, the ``transpose(-2, -1)`` of
     a (G, N, K) weight's rowwise data, with that weight's scale (both from
     :func:`grouped_quantize`). For dgrad pass the weight's columnwise data the same way.
-    fp32 accumulation (blockwise: promoted every 128 K); out_dtype default bf16; rows past
+    fp32 accumulation (blockwise: promoted every 128 K); bias (G, N), any float dtype, is added
+    to the fp32 product, which is then rounded once to out_dtype (default bf16); rows past
     offs[-1] are zero.
     """
     return torch.ops.compiled_moe.scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe,
-                                                     out_dtype)
+                                                     out_dtype, bias)
 
 
 def scaled_grouped_mm_wgrad(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale: Tensor,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from compiled_moe.reference import FP8_RECIPES, check_recipe, expand_groups
+from compiled_moe.reference import FP8_RECIPES, check_recipe
 
 
 def _quantize(x, offs, recipe, rowwise, columnwise):
@@ -53,7 +53,7 @@ def _check_weight_fp8(weight_fp8, b: Tensor, recipe: str) -> None:
 
 class _FP8GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, offs, recipe, weight_fp8):
+    def forward(ctx, a, b, offs, bias, recipe, weight_fp8):
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         a_q, a_s, a_col, a_col_s = _quantize(a, offs, recipe, True, need_b)
         # b (G, K, N) is usually the transposed view of a (G, N, K) weight: b.mT is that weight.
@@ -61,9 +61,10 @@ class _FP8GroupedMM(torch.autograd.Function):
             weight_fp8 = _quantize(b.mT, None, recipe, True, need_a)
         w_q, w_s, w_col, w_col_s = weight_fp8
         out = torch.ops.compiled_moe.scaled_grouped_mm(a_q, w_q.mT, a_s, w_s, offs, recipe,
-                                                       a.dtype)
+                                                       a.dtype, bias)
         ctx.save_for_backward(a_col, a_col_s, w_col, w_col_s, offs)
         ctx.recipe, ctx.a_dtype, ctx.b_dtype = recipe, a.dtype, b.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return out
 
     @staticmethod
@@ -72,7 +73,7 @@ class _FP8GroupedMM(torch.autograd.Function):
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g_q, g_s, g_col, g_col_s = _quantize(grad.to(ctx.a_dtype), offs, ctx.recipe, need_a,
                                              need_b)
-        grad_a = grad_b = None
+        grad_a = grad_b = grad_bias = None
         if need_a:
             # dgrad: grad (M, N) @ W (N, K); w_col (G, K, N) is W's columnwise data.
             grad_a = torch.ops.compiled_moe.scaled_grouped_mm(g_q, w_col.mT, g_s, w_col_s, offs,
@@ -80,7 +81,9 @@ class _FP8GroupedMM(torch.autograd.Function):
         if need_b:
             grad_b = torch.ops.compiled_moe.scaled_grouped_mm_wgrad(
                 a_col, g_col, a_col_s, g_col_s, offs, ctx.recipe, ctx.b_dtype)
-        return grad_a, grad_b, None, None, None
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:  # from the unquantized grad
+            grad_bias = torch.ops.compiled_moe.grouped_sum(grad, offs, out_dtype=ctx.bias_dtype)
+        return grad_a, grad_b, None, grad_bias, None, None
 
 
 def fp8_grouped_mm(a: Tensor, b: Tensor, offs: Tensor, *, recipe: str = "fp8_blockwise",
@@ -98,23 +101,22 @@ def fp8_grouped_mm(a: Tensor, b: Tensor, offs: Tensor, *, recipe: str = "fp8_blo
             (``kernels.configs.fp8_group_rows``).
         recipe: ``fp8_blockwise`` (1x128 activations and gradients, 128x128 weights: the
             DeepSeek-V3 recipe), ``fp8_rowwise`` or ``mxfp8`` (1x32 E8M0 blocks).
-        bias: optional (G, N), added in a's dtype after the FP8 product.
+        bias: optional (G, N), any float dtype: added to the fp32 product before it is rounded
+            to a's dtype (in the GEMM's epilogue, as ``grouped_mm`` does); its gradient is the
+            group sum of the unquantized output gradient.
         weight_fp8: ``quantize_weight(b.mT, recipe)`` computed beforehand (for the weight as it
             is now: nothing checks that it still matches b's values). The gradient of b is
             still computed and returned.
 
     Returns:
-        (M, N) in a's dtype; rows past offs[-1] are zero (plus nothing: bias is per group).
+        (M, N) in a's dtype; rows past offs[-1] are zero (no bias is added there).
         Differentiable in a, b and bias.
     """
     check_recipe(recipe)
     if weight_fp8 is not None:
         _check_weight_fp8(weight_fp8, b, recipe)
         weight_fp8 = tuple(weight_fp8)
-    out = _FP8GroupedMM.apply(a, b, offs, recipe, weight_fp8)
-    if bias is not None:
-        out = out + expand_groups(bias, offs, a.shape[0]).to(out.dtype)
-    return out
+    return _FP8GroupedMM.apply(a, b, offs, bias, recipe, weight_fp8)
 
 
 __all__ = ["FP8_RECIPES", "fp8_grouped_mm", "quantize_weight"]

@@ -496,15 +496,17 @@ def dequantize_columns(col_data: Tensor, col_scale: Tensor, offs: Tensor, recipe
 
 
 def scaled_grouped_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, offs: Tensor,
-                      recipe: str, out_dtype: torch.dtype | None = None) -> Tensor:
-    """out[r] = dequant(a)[r] @ dequant(b)[g(r)], fp32 math; rows past offs[-1] are 0.
+                      recipe: str, out_dtype: torch.dtype | None = None,
+                      bias: Tensor | None = None) -> Tensor:
+    """out[r] = dequant(a)[r] @ dequant(b)[g(r)] (+ bias[g(r)]), fp32 math, rounded once;
+    rows past offs[-1] are 0.
 
     a (M, K) e4m3 with its rowwise scale; b (G, K, N) e4m3, the transposed view of a (G, N, K)
-    rowwise-quantized weight, with that weight's scale.
+    rowwise-quantized weight, with that weight's scale; bias (G, N) in any float dtype.
     """
     a_deq = dequantize_rows(a, a_scale, recipe)
     b_deq = dequantize_rows(b.mT, b_scale, recipe, weight=True).mT
-    return grouped_mm(a_deq, b_deq, offs, out_dtype=out_dtype or torch.bfloat16)
+    return grouped_mm(a_deq, b_deq, offs, bias, out_dtype=out_dtype or torch.bfloat16)
 
 
 def scaled_grouped_mm_wgrad(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale: Tensor,

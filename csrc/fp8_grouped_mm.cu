@@ -1,10 +1,12 @@
 // FP8 grouped GEMM with 1x128 x 128x128 block scales (the DeepSeek-V3 recipe) for Hopper, sm_90a.
 //
 //   out[r, :] = sum over 128-deep k blocks kb of (a[r, kb] . b[g, :, kb]) * a_scale[r, kb] * b_scale[g, n/128, kb]
+//               (+ bias[g, :])
 //
 // for the rows r of group g (offs: cumulative group ends); rows past the last group get 0.
 // a (M, K) and b (G, N, K) are e4m3 and K-major (the layout Hopper's FP8 tensor cores read),
-// out (M, N) bf16, fp16 or fp32 (out_kind 0, 1, 2). compiled_moe/reference.py: scaled_grouped_mm is the oracle.
+// out (M, N) bf16, fp16 or fp32 (out_kind 0, 1, 2), plus bias[g] (G, N; bf16, fp16 or fp32, bias_kind
+// 0, 1, 2; the *_bias kernels) added before the rounding. compiled_moe/reference.py: scaled_grouped_mm is the oracle.
 //
 // Why CUDA and not Triton: every 128-deep step's product has to leave the tensor cores and be
 // scaled in fp32 before it is added. Triton 3.6 waits for each step's wgmma to finish before it
@@ -78,14 +80,41 @@ __device__ __forceinline__ int staging_boxes(int out_kind) { return out_kind == 
 // divergent branch and may run while a wgmma is in flight. (The row goes through an opaque
 // move: otherwise the compiler computes the 32 staging addresses once, before the tile loop,
 // and keeps them in registers the k loop needs.)
+//
+// HAS_BIAS: tile_bias is the shared address of the consumer's copy of the tile's 128 bias
+// columns (bias_kind 0 bf16, 1 fp16, 2 fp32; cp.async, waited for here and published by the
+// barrier), added to the fp32 fragment before it is rounded. A thread's 16 bias pairs are read
+// before its first store: read between the stores, each load waited for the store before it
+// (asm volatile keeps their order). Without a bias the code is that of a kernel without one.
+__device__ __forceinline__ float2 shared_bias_pair(u32 tile_bias, int c, int kind) {
+  if (kind == 2) return ld_shared_f32x2(tile_bias + 4 * c);
+  return unpack_pair(ld_shared_u32(tile_bias + 2 * c), kind);
+}
+
+template <bool HAS_BIAS>
 __device__ __forceinline__ void stage_output(unsigned char* staging, const float* acc, int out_kind, int consumer,
-                                             int frag_row, int frag_col) {
+                                             int frag_row, int frag_col, u32 tile_bias = 0, int bias_kind = -1) {
   bulk_wait_read();
+  if constexpr (HAS_BIAS) asm volatile("cp.async.wait_all;" ::: "memory");
   named_barrier(2 + consumer, 128);
   int row;
   asm volatile("mov.b32 %0, %1;" : "=r"(row) : "r"(frag_row));
-  if (out_kind == 2) stage_fragment_fp32<FRAG / 4>(staging, acc, 0, row, frag_col);
-  else stage_fragment_16bit<FRAG / 4>(staging, acc, row, frag_col, out_kind, nullptr);
+  if constexpr (HAS_BIAS) {
+    float2 b[FRAG / 4];
+    if (bias_kind == 2) {  // (the kind's branch outside the column groups)
+#pragma unroll
+      for (int j = 0; j < FRAG / 4; ++j) b[j] = shared_bias_pair(tile_bias, 8 * j + frag_col, 2);
+    } else {
+#pragma unroll
+      for (int j = 0; j < FRAG / 4; ++j) b[j] = shared_bias_pair(tile_bias, 8 * j + frag_col, bias_kind);
+    }
+    auto bias = [&](int j) { return b[j]; };
+    if (out_kind == 2) stage_fragment_fp32<FRAG / 4>(staging, acc, 0, row, frag_col, bias);
+    else stage_fragment_16bit<FRAG / 4>(staging, acc, row, frag_col, out_kind, bias);
+  } else {
+    if (out_kind == 2) stage_fragment_fp32<FRAG / 4>(staging, acc, 0, row, frag_col, nullptr);
+    else stage_fragment_16bit<FRAG / 4>(staging, acc, row, frag_col, out_kind, nullptr);
+  }
   fence_async_shared();
   named_barrier(2 + consumer, 128);
 }
@@ -94,19 +123,23 @@ __device__ __forceinline__ void stage_output(unsigned char* staging, const float
 // (tiles are walked in pairs of column tiles) and each loads half of the shared a tile (64 rows)
 // by TMA multicast into both; a stage goes back to the producers once the consumers of both CTAs
 // have released it.
-template <int CLUSTER>
+// HAS_BIAS: a separate instantiation, so that the kernel without a bias keeps its code (with
+// the bias's branches in one kernel, the bias-free forward ran 0.986x, 0.955x on Qwen3 fc2).
+template <int CLUSTER, bool HAS_BIAS>
 __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
     const TensorMap& a_map, const TensorMap& a_rows_map, const TensorMap& b_map, const TensorMap& out_map,
     const float* __restrict__ a_scale, long long a_scale_stride_m, int a_scale_stride_k,
     const float* __restrict__ b_scale, long long b_scale_stride_g, int b_scale_stride_n, int b_scale_stride_k,
     void* __restrict__ out, int out_kind, long long out_stride_m,
+    const void* __restrict__ bias, int bias_kind, long long bias_stride_g,
     const int* __restrict__ offs, int M, int N, int K, int G, int num_stages) {
   extern __shared__ __align__(1024) unsigned char fwd_smem_raw[];
   // 1024-byte alignment of every tile: the 128-byte swizzle pattern repeats every 1024 bytes.
   unsigned char* smem = (unsigned char*)(((u64)fwd_smem_raw + 1023) & ~1023ull);
   const int staging_bytes = staging_boxes(out_kind) * STAGING_BOX_BYTES;
   unsigned char* out_stage = smem + num_stages * STAGE_BYTES;
-  u64* full = (u64*)(out_stage + 2 * staging_bytes);
+  unsigned char* bias_stage = out_stage + 2 * staging_bytes;  // 2 consumers x 128 fp32
+  u64* full = (u64*)(bias_stage + 2 * BLOCK_N * 4);
   u64* empty = full + MAX_STAGES;
   int* scratch = (int*)(empty + MAX_STAGES);
   Schedule sched{scratch + 32, scratch + 32 + G, scratch + 32 + 2 * G};
@@ -183,6 +216,7 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
   const int frag_row = warp_in_group * 16 + lane / 4;  // within the consumer's 64 rows, and + 8
   const int frag_col = (lane % 4) * 2;                 // + 8 j, and + 1
   unsigned char* staging = out_stage + consumer * staging_bytes;
+  unsigned char* tile_bias = bias_stage + consumer * (BLOCK_N * 4);
   const int es = out_kind == 2 ? 4 : 2;
   // Two buffers of partial products: the wgmma of step kb + 1 runs on the tensor cores while
   // this thread scales and adds step kb's. With one buffer (wait for every step's wgmma, then
@@ -206,6 +240,16 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
         if constexpr (CLUSTER > 1) mbar_arrive_remote_if(&empty[s], rank ^ 1, lane == 0);
       });
       continue;
+    }
+    // The tile's bias goes to shared memory under the k loop, two columns a thread of the first
+    // two warps (zeros past N); the previous tile's epilogue has read the buffer (its barrier).
+    if (HAS_BIAS && tid_wg < BLOCK_N / 2) {
+      const int col = tile.col0 + 2 * tid_wg, in_range = col < N;  // (N is even)
+      const long long i = tile.group * bias_stride_g + (in_range ? col : 0);
+      if (bias_kind == 2)
+        cp_async_zfill<8>(tile_bias + 8 * tid_wg, (const float*)bias + i, in_range ? 8 : 0);
+      else
+        cp_async_zfill<4>(tile_bias + 4 * tid_wg, (const unsigned short*)bias + i, in_range ? 4 : 0);
     }
     const int r0 = row0 + frag_row, r1 = r0 + 8;
     const float* sa0 = a_scale + (long long)min(r0, M - 1) * a_scale_stride_m;
@@ -281,7 +325,7 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
     // (4-byte stores, 8 rows per warp instruction) took 1.01-1.27x this version's time on 13
     // of the 16 bench_fp8 shapes, most where K is short (Qwen3 fc2 1.27x, DeepSeek-V3 fc2
     // 1.09-1.13x), and 0.99-1.00x on the other three (H200).
-    stage_output(staging, acc, out_kind, consumer, frag_row, frag_col);
+    stage_output<HAS_BIAS>(staging, acc, out_kind, consumer, frag_row, frag_col, smem_addr(tile_bias), bias_kind);
     if (row0 + 64 <= tile.row_end) {
       if (tid_wg == 0) {
         for (int box = 0; box < staging_boxes(out_kind); ++box)
@@ -315,7 +359,7 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
   if (CLUSTER > 1) cluster_sync();
 }
 
-#define FP8_BLOCKWISE_KERNEL(NAME, CLUSTER, ATTRS)                                                         \
+#define FP8_BLOCKWISE_KERNEL(NAME, CLUSTER, HAS_BIAS, ATTRS)                                                         \
   extern "C" __global__ void __launch_bounds__(THREADS, 1) ATTRS NAME(                                     \
       const __grid_constant__ TensorMap a_map, /* a (M, K) e4m3: dims {K, M}, box {128, 64} */            \
       const __grid_constant__ TensorMap a_rows_map, /* the same, box {128, 16} */                          \
@@ -324,16 +368,19 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
       const float* __restrict__ a_scale, long long a_scale_stride_m, int a_scale_stride_k,                 \
       const float* __restrict__ b_scale, long long b_scale_stride_g, int b_scale_stride_n,                 \
       int b_scale_stride_k, void* __restrict__ out, int out_kind, long long out_stride_m,                  \
+      const void* __restrict__ bias, int bias_kind, long long bias_stride_g, /* HAS_BIAS only */          \
       const int* __restrict__ offs, int M, int N, int K, int G, int num_stages) {                          \
-    fp8_blockwise_grouped_mm_body<CLUSTER>(a_map, a_rows_map, b_map, out_map, a_scale, a_scale_stride_m,   \
+    fp8_blockwise_grouped_mm_body<CLUSTER, HAS_BIAS>(a_map, a_rows_map, b_map, out_map, a_scale, a_scale_stride_m,   \
                                            a_scale_stride_k, b_scale, b_scale_stride_g, b_scale_stride_n,  \
-                                           b_scale_stride_k, out, out_kind, out_stride_m, offs, M, N, K,   \
-                                           G, num_stages);                                                 \
+                                           b_scale_stride_k, out, out_kind, out_stride_m, bias, bias_kind, \
+                                           bias_stride_g, offs, M, N, K, G, num_stages);                   \
   }
 
-FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm, 1, )
+FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm, 1, false, )
+FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm_bias, 1, true, )
 // Launched on an even grid.
-FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm_x2, 2, __cluster_dims__(2, 1, 1))
+FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm_x2, 2, false, __cluster_dims__(2, 1, 1))
+FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm_x2_bias, 2, true, __cluster_dims__(2, 1, 1))
 
 // ---------------------------------------------------------------------------------------------
 // fp8_grouped_mm_wgrad: the weight gradient from columnwise data,
@@ -383,18 +430,6 @@ __device__ __forceinline__ void cut_row(unsigned char* tile, int row, int valid,
       " @p st.shared.v4.b32 [%0], {x, y, z, w};\n}\n"
       ::"r"(base + (((c & 7) ^ (row & 7)) * 16)), "r"(valid % 16), "r"((int)(cut && valid % 16 != 0))
       : "memory");
-}
-
-__device__ __forceinline__ float ld_shared_f32(u32 addr) {
-  float v;
-  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
-  return v;
-}
-
-__device__ __forceinline__ float2 ld_shared_f32x2(u32 addr) {
-  float2 v;
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr));
-  return v;
 }
 
 // One buffer of partial products: each chunk's wgmma is waited for, then promoted, while the
@@ -618,7 +653,7 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
     const int next = min(t + (int)gridDim.x, num_tiles - 1);
     if (steps > 0) {
       const int issued = issue();
-      stage_output(staging, acc, out_kind, consumer, frag_row, frag_col);
+      stage_output<false>(staging, acc, out_kind, consumer, frag_row, frag_col);
       tile_of(next, next_g, next_p0, next_q0);
       wgmma_wait<0>();
       if (done_g >= 0) store_tile(done_g, done_p0, done_q0);
@@ -629,7 +664,7 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
         promote(issued_s, load_scales(issued_s), Accumulate);
       }
     } else {  // an empty group: its tile is zeros
-      stage_output(staging, acc, out_kind, consumer, frag_row, frag_col);
+      stage_output<false>(staging, acc, out_kind, consumer, frag_row, frag_col);
       tile_of(next, next_g, next_p0, next_q0);
       if (done_g >= 0) store_tile(done_g, done_p0, done_q0);
 #pragma unroll
@@ -640,7 +675,7 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
     steps = group_steps(g);
   }
   if (done_g >= 0) {
-    stage_output(staging, acc, out_kind, consumer, frag_row, frag_col);
+    stage_output<false>(staging, acc, out_kind, consumer, frag_row, frag_col);
     store_tile(done_g, done_p0, done_q0);
   }
   if (tid_wg == 0) bulk_wait();

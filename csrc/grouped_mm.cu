@@ -234,7 +234,7 @@ __device__ __forceinline__ void grouped_mm_wgrad(
       if (tid == 0) bulk_wait_read();  // the previous store has left the staging buffer
       named_barrier(1 + consumer, 128);
       if (out_kind == 2)  // 16 column groups of 8 per half
-        stage_fragment_fp32<FRAG / 8>(staging, acc, h * (FRAG / 8), frag_row, frag_col);
+        stage_fragment_fp32<FRAG / 8>(staging, acc, h * (FRAG / 8), frag_row, frag_col, nullptr);
       else
         stage_fragment_16bit<FRAG / 4>(staging, acc, frag_row, frag_col, out_kind, nullptr);
       fence_async_shared();
@@ -311,27 +311,10 @@ __device__ __forceinline__ int split_count(int tiles, int blocks, int max_splits
 
 constexpr int MAX_GROUPS = 1024;  // the tile list lives in shared memory beside the ring
 
-// Two 16-bit values of a word (the first in the low half) as floats: kind 0 bf16, 1 fp16.
-__device__ __forceinline__ float2 unpack_pair(u32 w, int kind) {
-  if (kind == 0) return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
-  float lo, hi;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(w & 0xffffu)));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(w >> 16)));
-  return make_float2(lo, hi);
-}
-
 // Columns c and c + 1 of a tile's bias as staged by the forward (kind: 2 fp32, else 16-bit).
 __device__ __forceinline__ float2 staged_bias_pair(const unsigned char* tile_bias, int c, int kind) {
   if (kind == 2) return *(const float2*)(tile_bias + 4 * c);
   return unpack_pair(*(const u32*)(tile_bias + 2 * c), kind);
-}
-
-// cp.async of 4 or 8 bytes (BYTES) into shared memory; with src_bytes 0 it writes zeros and reads
-// nothing. No registers wait for it: cp.async.wait_all does.
-template <int BYTES>
-__device__ __forceinline__ void cp_async_zfill(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(smem_addr(dst)), "l"(src), "n"(BYTES),
-               "r"(src_bytes) : "memory");
 }
 
 template <bool F16, bool B_NMAJOR, bool SKIP_PAST_ROWS, bool SPLIT_K>

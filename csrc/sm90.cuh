@@ -160,6 +160,41 @@ __device__ __forceinline__ void store_one(void* out, int out_kind, long long i, 
   else ((unsigned short*)out)[i] = (unsigned short)(pack_half2(out_kind, v, 0.f) & 0xffff);
 }
 
+// Two 16-bit values of a word (the first in the low half) as floats: kind 0 bf16, 1 fp16.
+__device__ __forceinline__ float2 unpack_pair(u32 w, int kind) {
+  if (kind == 0) return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  float lo, hi;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(w & 0xffffu)));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(w >> 16)));
+  return make_float2(lo, hi);
+}
+
+// cp.async of 4 or 8 bytes (BYTES) into shared memory; with src_bytes 0 it writes zeros and reads
+// nothing. No registers wait for it: cp.async.wait_all does.
+template <int BYTES>
+__device__ __forceinline__ void cp_async_zfill(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(smem_addr(dst)), "l"(src), "n"(BYTES),
+               "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ float ld_shared_f32(u32 addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ float2 ld_shared_f32x2(u32 addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
+  u32 v;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
+}
+
 // Staging a consumer warpgroup's wgmma fragment (64 rows) for TMA stores: boxes of 64 rows x
 // 128 bytes in the 128-byte-swizzled layout (conflict-free: the 8 rows of a store land in 8
 // different 16-byte chunks). Fragment: acc[4j + 0..1] are (row, 8j + frag_col + 0..1),
@@ -190,10 +225,15 @@ __device__ __forceinline__ void stage_fragment_16bit(unsigned char* staging, con
   }
 }
 
-// Column groups j0 .. j0 + J - 1 as fp32: box (j - j0) / 4 holds 32 columns.
-template <int J>
+// Column groups j0 .. j0 + J - 1 as fp32, plus bias(j) as above: box (j - j0) / 4 holds 32 columns.
+template <int J, typename Bias>
 __device__ __forceinline__ void stage_fragment_fp32(unsigned char* staging, const float* acc, int j0, int frag_row,
-                                                    int frag_col) {
+                                                    int frag_col, Bias&& bias) {
+  float2 b[J];
+  if constexpr (!IsNull<Bias>::value) {
+#pragma unroll
+    for (int j = 0; j < J; ++j) b[j] = bias(j0 + j);
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = frag_row + 8 * r;
@@ -201,8 +241,9 @@ __device__ __forceinline__ void stage_fragment_fp32(unsigned char* staging, cons
     for (int j = 0; j < J; ++j) {
       const int col = (j % 4) * 8 + frag_col;  // within a 32-column box
       const u32 addr = smem_addr(staging) + row * 128 + (j / 4) * STAGING_BOX_BYTES + (((col / 4) ^ (row & 7)) * 16) + (col % 4) * 4;
-      asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(acc[4 * (j0 + j) + 2 * r]),
-                   "f"(acc[4 * (j0 + j) + 2 * r + 1]) : "memory");
+      float lo = acc[4 * (j0 + j) + 2 * r], hi = acc[4 * (j0 + j) + 2 * r + 1];
+      if constexpr (!IsNull<Bias>::value) { lo += b[j].x; hi += b[j].y; }
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(lo), "f"(hi) : "memory");
     }
   }
 }

@@ -17,7 +17,9 @@ pytest.importorskip("cuda.core")
 # Kernel -> the wgmma its SASS must hold (at least once per pipelined step of each loop).
 KERNELS = {
     "fp8_grouped_mm": {"fp8_blockwise_grouped_mm": "QGMMA.64x128x32.F32.E4M3.E4M3",
+                       "fp8_blockwise_grouped_mm_bias": "QGMMA.64x128x32.F32.E4M3.E4M3",
                        "fp8_blockwise_grouped_mm_x2": "QGMMA.64x128x32.F32.E4M3.E4M3",
+                       "fp8_blockwise_grouped_mm_x2_bias": "QGMMA.64x128x32.F32.E4M3.E4M3",
                        "fp8_grouped_mm_wgrad": "QGMMA.64x128x32.F32.E4M3.E4M3"},
     "grouped_mm": {
         "grouped_mm_bf16": "HGMMA.64x256x16.F32.BF16",
@@ -69,6 +71,11 @@ def test_kernels_compile_without_spills_or_wgmma_serialization(source, tmp_path)
     spills = dict(re.findall(r"Function properties for (\w+)\n.*?(\d+) bytes spill stores", log))
     for kernel in KERNELS[source]:
         assert int(spills[kernel]) == 0, (kernel, log)
+    # The FP8 kernels' launchers size their shared memory as all dynamic (fit_stages).
+    usage = dict(re.findall(r"Function properties for (\w+)\n.*?\n.*?(Used [^\n]*)", log))
+    for kernel in KERNELS[source]:
+        if kernel.startswith("fp8"):
+            assert "bytes smem" not in usage[kernel], (kernel, usage[kernel])
     cubin = tmp_path / f"{source}.cubin"
     cubin.write_bytes(native.compile_source(path, arch))
     functions = _sass_by_function(str(cubin))

@@ -360,6 +360,13 @@ def test_kernel_scaled_grouped_mm_interpreter(recipe):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
     exact = R.grouped_mm(x.double(), w.mT.double(), offs)
     assert (out.double() - exact).norm() / exact.norm() < 0.06  # FP8 error, not a wrong result
+    # with a bias: added to the fp32 product before the rounding
+    bias = torch.randn(G, N, generator=gen).half()
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
+    kernels.scaled_grouped_mm(xq[0], wq[0].mT, xq[1], wq[1], offs, recipe, out, bias)
+    want = R.scaled_grouped_mm(xq[0], wq[0].mT, xq[1], wq[1], offs, recipe, torch.float32, bias)
+    torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)
+    assert (out[int(offs[-1]):] == 0).all()
     # dgrad: grad (M, N) @ W (N, K) from the weight's columnwise data
     out = torch.full((M, K), float("nan"))
     kernels.scaled_grouped_mm(dq[0], wq[2].mT, dq[1], wq[3], offs, recipe, out)
@@ -602,13 +609,16 @@ def _opcheck_samples():
              (torch.randn(G, N, K, generator=gen), None, recipe, True, True)),
             (torch.ops.compiled_moe.scaled_grouped_mm.default,
              (xq[0], wq[0].mT, xq[1], wq[1], offs, recipe, None)),
+            (torch.ops.compiled_moe.scaled_grouped_mm.default,
+             (xq[0], wq[0].mT, xq[1], wq[1], offs, recipe, torch.float32,
+              torch.randn(G, N, generator=gen))),
             (torch.ops.compiled_moe.scaled_grouped_mm_wgrad.default,
              (xq[2], dq[2], xq[3], dq[3], offs, recipe, torch.float32)),
         ]
     return samples
 
 
-@pytest.mark.parametrize("sample", range(12))
+@pytest.mark.parametrize("sample", range(15))
 def test_opcheck(sample):
     op, args = _opcheck_samples()[sample]
     utils = ["test_schema", "test_autograd_registration", "test_faketensor",
@@ -705,6 +715,10 @@ def test_scaled_mm_bad_inputs():
         call(recipe="mxfp8")
     with pytest.raises(ValueError, match="offs must have shape"):
         call(offs=offs[:1])
+    with pytest.raises(ValueError, match=r"bias must have shape \(G, N\) = \(2, 32\)"):
+        cm.scaled_grouped_mm(*ok.values(), bias=torch.zeros(G, N + 1))
+    with pytest.raises(TypeError, match="bias must have dtype"):
+        cm.scaled_grouped_mm(*ok.values(), bias=torch.zeros(G, N, dtype=torch.int32))
     with pytest.raises(ValueError, match="M must match"):
         cm.scaled_grouped_mm_wgrad(xq[2], xq[2][:, :8], xq[3], xq[3], offs)
     with pytest.raises(ValueError, match="recipe"):
@@ -740,7 +754,8 @@ def test_e8m0_exponent_rule():
 
 def test_fp8_cuda_kernel_limits():
     """The CUDA FP8 kernel's shared memory at the most groups it takes fits a Hopper block
-    (227 KB, less the kernel's 1 KB of static shared memory), and CPU tensors never reach it."""
+    (227 KB, all of it dynamic: test_csrc checks that ptxas reports no static shared memory),
+    and CPU tensors never reach it."""
     from compiled_moe.kernels import configs
     from compiled_moe.kernels import scaled_grouped_mm_sm90 as sm90
     cfg = configs.fp8_blockwise_sm90_config(8192, 4096, 7168, sm90.MAX_GROUPS)
@@ -748,7 +763,7 @@ def test_fp8_cuda_kernel_limits():
         for groups in (8, sm90.MAX_GROUPS):
             shared = lambda n: sm90._shared_bytes(groups, n, dtype)  # noqa: E731
             stages = sm90.fit_stages(cfg.num_stages, shared)
-            assert stages >= 4 and shared(stages) + 1024 <= 227 * 1024
+            assert stages >= 4 and shared(stages) <= 227 * 1024
     a = torch.zeros(256, 512, dtype=R.FP8_DTYPE)
     b = torch.zeros(4, 256, 512, dtype=R.FP8_DTYPE).mT
     assert not sm90.supported(a, b, "fp8_blockwise")

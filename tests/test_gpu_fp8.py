@@ -242,6 +242,49 @@ def test_fp8_blockwise_cuda_cluster_kernel_matches_single_cta_bitwise(shape):
         assert torch.equal(outs[0], outs[1]), out_dtype
 
 
+@pytest.mark.parametrize("shape", [CUDA_FORWARD_SHAPES[i] for i in (1, 2, 3, 4, 6)])
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_blockwise_cuda_kernel_bias(shape, bias_dtype, monkeypatch):
+    """The CUDA kernel adds the bias to the fp32 product before rounding: in every output dtype
+    its result is, bit for bit, the kernel's fp32 output without a bias plus the bias, rounded
+    once; with 2-CTA clusters too, and for a bias whose rows start at odd element offsets (the
+    kernel copies two columns as one piece). The Triton kernel (other recipes, unaligned
+    views) agrees to rounding."""
+    from compiled_moe.kernels import scaled_grouped_mm_sm90 as sm90
+    M, K, N, G, multiple, tail = shape
+    torch.manual_seed(M + N)
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device=DEV, dtype=torch.bfloat16) / K ** 0.5
+    bias = torch.randn(G, N, device=DEV).to(bias_dtype)
+    offs = skewed_offsets(M, G, seed=M, tail=tail, multiple=multiple)
+    xq = cm.grouped_quantize(x, offs, "fp8_blockwise")
+    wq = cm.grouped_quantize(w, None, "fp8_blockwise")
+    args = (xq[0], wq[0].mT, xq[1], wq[1], offs)
+    assert sm90.supported(xq[0], wq[0].mT, "fp8_blockwise", bias)
+    plain = torch.ops.compiled_moe.scaled_grouped_mm(*args, "fp8_blockwise", torch.float32)
+    end = int(offs[-1])
+    summed = plain + R.expand_groups(bias.float(), offs, M)
+    wide = torch.zeros(G, N + 1, device=DEV, dtype=bias_dtype)
+    wide[:, :N] = bias
+    shifted = torch.zeros(G * N + 1, device=DEV, dtype=bias_dtype)[1:].view(G, N)
+    shifted.copy_(bias)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        want = summed.to(out_dtype)
+        for cluster in (1, 2):
+            for b in (bias, wide[:, :N], shifted):
+                out = torch.full((M, N), float("nan"), device=DEV, dtype=out_dtype)
+                with no_sync():
+                    sm90.scaled_grouped_mm(*args, out, b, cluster=cluster)
+                assert torch.equal(out, want), (out_dtype, cluster, b.stride(), b.storage_offset())
+        got = torch.ops.compiled_moe.scaled_grouped_mm(*args, "fp8_blockwise", out_dtype, bias)
+        assert torch.equal(got, want) and (got[end:] == 0).all()
+        monkeypatch.setenv("COMPILED_MOE_FP8_GEMM", "triton")
+        triton_out = torch.ops.compiled_moe.scaled_grouped_mm(*args, "fp8_blockwise", out_dtype, bias)
+        monkeypatch.delenv("COMPILED_MOE_FP8_GEMM")
+        scale = summed.abs().max().item()
+        torch.testing.assert_close(triton_out.float(), summed, rtol=1e-2, atol=1e-3 * scale)
+
+
 def test_fp8_blockwise_cuda_kernel_unaligned_view_falls_back():
     """An operand whose address TMA cannot take runs the Triton kernel, with the same result."""
     M, K, N, G = 512, 1024, 256, 4

@@ -128,6 +128,14 @@ def grouped_mm_wgrad(a, grad_out, offs, out, accumulate: bool, accumulate_mask,
     )
 
 
+def bias_in_pairs(bias):
+    """bias, or a contiguous copy where its rows do not start at even elements: the kernels
+    copy each thread's two bias columns as one 4- or 8-byte piece."""
+    if bias is not None and (bias.stride(0) % 2 or bias.data_ptr() % (2 * bias.element_size())):
+        return bias.clone(memory_format=torch.contiguous_format)
+    return bias
+
+
 def grouped_mm(a, b, offs, bias, out, num_stages=None, skip_past_rows=None, splits=None) -> None:
     """out (M, N) = a (M, K) @ b[g] (K, N) (+ bias[g]) per row group; rows past offs[-1] get 0.
     The caller checked ``supported`` and ``aligned``. num_stages and skip_past_rows (bool)
@@ -165,9 +173,7 @@ def grouped_mm(a, b, offs, bias, out, num_stages=None, skip_past_rows=None, spli
     partial = (torch.empty(max_splits * M * N + 2, device=a.device, dtype=torch.float32)
                if max_splits > 1 else None)
     offs = offs.contiguous()
-    if bias is not None and (bias.stride(0) % 2 or bias.data_ptr() % (2 * bias.element_size())):
-        # The kernel copies each thread's two bias columns as one 4- or 8-byte piece.
-        bias = bias.clone(memory_format=torch.contiguous_format)
+    bias = bias_in_pairs(bias)
     i32, i64 = native.int32, native.int64
     out_kind = i32(_OUT_KINDS[out.dtype])
     native.launch_driver(

@@ -53,18 +53,18 @@ def _dequantize_mx(q, scale_bytes, ROWS: tl.constexpr, COLS: tl.constexpr, DTYPE
 
 @triton.jit
 def _scaled_grouped_mm_kernel(
-    a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, offs_ptr,
+    a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, bias_ptr, offs_ptr,
     M, N, K, G,
     stride_am, stride_bg, stride_bn,
     stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk,
-    stride_om, stride_on,
+    stride_om, stride_on, stride_bias_g, stride_bias_n,
     G_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr, SCALE_MODE: tl.constexpr, USE_TMA: tl.constexpr,
-    DEQUANT_DTYPE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    DEQUANT_DTYPE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    """out[r] = a[r] @ b[g] for rows r of group g, a (M, K) and b (G, K, N) both K-major;
-    rows past the last group get 0. Persistent tile schedule of _grouped_mm_kernel."""
+    """out[r] = a[r] @ b[g] (+ bias[g]) for rows r of group g, a (M, K) and b (G, K, N) both
+    K-major; rows past the last group get 0. Persistent tile schedule of _grouped_mm_kernel."""
     pid = tl.program_id(0)
     g_vec = tl.arange(0, G_PAD)
     ends = tl.load(offs_ptr + g_vec, mask=g_vec < G, other=0)
@@ -118,6 +118,10 @@ def _scaled_grouped_mm_kernel(
             sa = tl.load(as_ptr + rm * stride_asm, mask=rm < M, other=0.0)
             sb = tl.load(bs_ptr + g * stride_bsg + rn * stride_bsn, mask=rn < N, other=0.0)
             acc = acc * (sa[:, None] * sb[None, :])
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + g * stride_bias_g + rn * stride_bias_n, mask=rn < N,
+                           other=0.0)
+            acc += bias.to(tl.float32)[None, :]
         _store_rows(out_ptr, rm, rn, m_end, N, stride_om, stride_on,
                     acc.to(out_ptr.dtype.element_ty))
 
@@ -255,8 +259,9 @@ def _dequant_dtype():
     return tl.float32 if _INTERPRET else tl.bfloat16
 
 
-def scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe: str, out) -> None:
-    """out (M, N) = a (M, K) @ b (G, K, N), both e4m3 and K-major, with their scales."""
+def scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe: str, out, bias=None) -> None:
+    """out (M, N) = a (M, K) @ b (G, K, N) (+ bias (G, N)), both e4m3 and K-major, with their
+    scales."""
     M, K = a.shape
     G, _, N = b.shape
     G = int(G)
@@ -267,15 +272,17 @@ def scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe: str, out) -> None:
     use_tma = K > 0 and _use_tma(a, b.transpose(1, 2))
     num_programs = _num_sms(_device_index(a)) * cfg.ctas_per_sm
     wrap_triton(_scaled_grouped_mm_kernel)[(num_programs,)](
-        a, b, a_scale, b_scale, out, offs,
+        a, b, a_scale, b_scale, out, bias if bias is not None else out, offs,
         M, N, K, G,
         a.stride(0), b.stride(0), b.stride(2),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
         out.stride(0), out.stride(1),
+        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
         G_PAD=_pad_groups(G),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         NUM_SMS=num_programs, SCALE_MODE=SCALE_MODES[recipe], USE_TMA=use_tma,
         DEQUANT_DTYPE=_dequant_dtype(), WARP_SPECIALIZE=cfg.warp_specialize,
+        HAS_BIAS=bias is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

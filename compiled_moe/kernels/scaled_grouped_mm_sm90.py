@@ -17,6 +17,7 @@ from compiled_moe.native import tma_aligned as aligned  # noqa: F401 (the ops' l
 from compiled_moe.kernels.configs import (fp8_blockwise_sm90_config,
                                           fp8_wgrad_sm90_config, size_hint)
 from compiled_moe.kernels.grouped_mm import _num_sms
+from compiled_moe.kernels.grouped_mm_sm90 import bias_in_pairs
 
 _THREADS = 384
 MAX_GROUPS = 2048  # the tile list lives in shared memory beside the ring
@@ -31,10 +32,13 @@ def enabled() -> bool:
     return os.environ.get("COMPILED_MOE_FP8_GEMM", "cuda") != "triton"
 
 
-def supported(a, b, recipe: str) -> bool:
-    """Static conditions (known while tracing): the recipe, device, group count and strides.
-    Addresses are checked at launch, where the Triton kernel takes over if one is unaligned."""
+def supported(a, b, recipe: str, bias=None) -> bool:
+    """Static conditions (known while tracing): the recipe, device, group count and strides
+    (of bias too: unit column stride). Addresses are checked at launch, where the Triton kernel
+    takes over if one is unaligned."""
     if recipe != "fp8_blockwise" or not enabled():
+        return False
+    if bias is not None and (bias.stride(1) != 1 or bias.dtype not in _OUT_KINDS):
         return False
     if a.device.type != "cuda" or not hopper(a.device.index or 0):
         return False
@@ -46,10 +50,12 @@ def supported(a, b, recipe: str) -> bool:
 
 
 def _shared_bytes(num_groups: int, num_stages: int, out_dtype: torch.dtype) -> int:
-    # ring of 32 KB stages + the two consumers' 64 x 128 output staging + 1024 alignment slack
-    # + 2 x 8 mbarriers + 32 scan ints + 3 ints per group
+    # ring of 32 KB stages + the two consumers' 64 x 128 output staging + their copies of the
+    # tile's bias (128 fp32 each) + 1024 alignment slack + 2 x 8 mbarriers + 32 scan ints + 3
+    # ints per group
     staging = 2 * 64 * 128 * out_dtype.itemsize
-    return num_stages * _STAGE_BYTES + staging + 1024 + 2 * 8 * 8 + 4 * (32 + 3 * num_groups)
+    return (num_stages * _STAGE_BYTES + staging + 2 * 128 * 4 + 1024 + 2 * 8 * 8
+            + 4 * (32 + 3 * num_groups))
 
 
 def fit_stages(requested: int, shared_bytes) -> int:
@@ -63,10 +69,11 @@ def fit_stages(requested: int, shared_bytes) -> int:
 _CLUSTER_KERNELS = {1: "fp8_blockwise_grouped_mm", 2: "fp8_blockwise_grouped_mm_x2"}
 
 
-def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, num_stages=None, cluster=None) -> None:
-    """out (M, N) = a (M, K) @ b (G, K, N), e4m3 K-major operands with blockwise scales.
-    The caller checked ``supported``, ``aligned`` and M, N, K > 0. cluster (1 or 2; default:
-    the config's): CTAs that share each a tile by TMA multicast."""
+def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, bias=None, num_stages=None,
+                      cluster=None) -> None:
+    """out (M, N) = a (M, K) @ b (G, K, N) (+ bias (G, N)), e4m3 K-major operands with
+    blockwise scales. The caller checked ``supported``, ``aligned`` and M, N, K > 0. cluster
+    (1 or 2; default: the config's): CTAs that share each a tile by TMA multicast."""
     M, K = a.shape
     G, _, N = b.shape
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
@@ -83,7 +90,9 @@ def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, num_stages=None, cluste
     out_map = native.tensor_map(out.data_ptr(), (N, M, 1), (out.stride(0) * es, out.stride(0) * es * M),
                                 (128 // es, 64, 1), _OUT_MAP_TYPES[out.dtype])
     offs = offs.contiguous()
-    kernel = native.kernel("fp8_grouped_mm", _CLUSTER_KERNELS[cluster], dev)
+    bias = bias_in_pairs(bias)
+    name = _CLUSTER_KERNELS[cluster] + ("_bias" if bias is not None else "")
+    kernel = native.kernel("fp8_grouped_mm", name, dev)
     grid = _num_sms(dev) // cluster * cluster
     if cluster > 1:
         fit = native.max_active_clusters(kernel, _THREADS, shared(num_stages), grid)
@@ -94,6 +103,8 @@ def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, num_stages=None, cluste
         a_scale, i64(a_scale.stride(0)), i32(a_scale.stride(1)),
         b_scale, i64(b_scale.stride(0)), i32(b_scale.stride(1)), i32(b_scale.stride(2)),
         out, i32(_OUT_KINDS[out.dtype]), i64(out.stride(0)),
+        bias if bias is not None else i64(0), i32(_OUT_KINDS[bias.dtype] if bias is not None else -1),
+        i64(bias.stride(0) if bias is not None else 0),
         offs, i32(M), i32(N), i32(K), i32(G), i32(num_stages),
     )
 

@@ -168,6 +168,16 @@ def check_offs(offs, num_groups=None) -> None:
         raise ValueError("need at least one group")
 
 
+def check_bias(bias, num_groups: int, n: int) -> None:
+    """bias: None, or a (G, N) float tensor, one row per group."""
+    if bias is None:
+        return
+    check_tensor("bias", bias, 2)
+    if tuple(bias.shape) != (num_groups, n):
+        raise ValueError(f"bias must have shape (G, N) = {(num_groups, n)}, "
+                         f"got {tuple(bias.shape)}")
+
+
 def check_out_dtype(out_dtype) -> None:
     if out_dtype is not None and out_dtype not in OP_DTYPES:
         raise TypeError(f"out_dtype must be one of {OP_DTYPES} or None, got {out_dtype}")

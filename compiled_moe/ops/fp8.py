@@ -22,6 +22,7 @@ from torch import Tensor
 from compiled_moe import reference
 from compiled_moe.ops._dispatch import (
     OP_DTYPES,
+    check_bias,
     check_offs,
     check_same_device,
     check_tensor,
@@ -220,12 +221,13 @@ def _check_out(out_dtype) -> None:
         raise TypeError(f"out_dtype must be one of {OUT_DTYPES} or None, got {out_dtype}")
 
 
-def _check_scaled_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype) -> None:
+def _check_scaled_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype, bias=None) -> None:
     check_recipe(recipe)
     _check_fp8("a", a, 2)
     _check_fp8("b", b, 3)
     check_offs(offs, b.shape[0])
-    check_same_device("a", a, b=b, a_scale=a_scale, b_scale=b_scale, offs=offs)
+    check_same_device("a", a, b=b, a_scale=a_scale, b_scale=b_scale, offs=offs, bias=bias)
+    check_bias(bias, b.shape[0], b.shape[2])
     m, k = a.shape
     g, kb, n = b.shape
     if k != kb:
@@ -243,24 +245,27 @@ def _check_scaled_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype) -> None:
     _check_out(out_dtype)
 
 
+# bias (G, N), optional: added to each group's fp32 product before it is rounded to out_dtype
+# (as grouped_mm does); it comes last in the schema so that calls without it keep their form.
 @torch.library.triton_op("compiled_moe::scaled_grouped_mm", mutates_args=())
 @on_tensor_device
 def _scaled_grouped_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, offs: Tensor,
-                       recipe: str, out_dtype: Optional[torch.dtype] = None) -> Tensor:
-    _check_scaled_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype)
+                       recipe: str, out_dtype: Optional[torch.dtype] = None,
+                       bias: Optional[Tensor] = None) -> Tensor:
+    _check_scaled_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype, bias)
     if not use_kernel(a):
-        return reference.scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype)
-    if _sm90().supported(a, b, recipe):
+        return reference.scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype, bias)
+    if _sm90().supported(a, b, recipe, bias):
         return torch.ops.compiled_moe.fp8_blockwise_grouped_mm_sm90(a, b, a_scale, b_scale, offs,
-                                                                    out_dtype)
+                                                                    out_dtype, bias)
     out = a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or torch.bfloat16)
-    _kernels()[1].scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe, out)
+    _kernels()[1].scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe, out, bias)
     return out
 
 
 @_scaled_grouped_mm.register_fake
-def _(a, b, a_scale, b_scale, offs, recipe, out_dtype=None):
-    _check_scaled_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype)
+def _(a, b, a_scale, b_scale, offs, recipe, out_dtype=None, bias=None):
+    _check_scaled_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype, bias)
     return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or torch.bfloat16)
 
 
@@ -271,23 +276,24 @@ def _(a, b, a_scale, b_scale, offs, recipe, out_dtype=None):
 @kernel_op("fp8_blockwise_grouped_mm_sm90")
 @on_tensor_device
 def _fp8_blockwise_grouped_mm_sm90(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor,
-                                   offs: Tensor, out_dtype: Optional[torch.dtype] = None) -> Tensor:
-    _check_scaled_mm(a, b, a_scale, b_scale, offs, "fp8_blockwise", out_dtype)
+                                   offs: Tensor, out_dtype: Optional[torch.dtype] = None,
+                                   bias: Optional[Tensor] = None) -> Tensor:
+    _check_scaled_mm(a, b, a_scale, b_scale, offs, "fp8_blockwise", out_dtype, bias)
     (m, k), n = a.shape, b.shape[2]
     out = a.new_empty((m, n), dtype=out_dtype or torch.bfloat16)
     if m == 0 or n == 0:
         return out
     sm90 = _sm90()
     if k > 0 and sm90.aligned(a, b):
-        sm90.scaled_grouped_mm(a, b, a_scale, b_scale, offs, out)
+        sm90.scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, bias)
     else:  # K = 0 or an unaligned view: the Triton kernel handles both
-        _kernels()[1].scaled_grouped_mm(a, b, a_scale, b_scale, offs, "fp8_blockwise", out)
+        _kernels()[1].scaled_grouped_mm(a, b, a_scale, b_scale, offs, "fp8_blockwise", out, bias)
     return out
 
 
 @_fp8_blockwise_grouped_mm_sm90.register_fake
-def _(a, b, a_scale, b_scale, offs, out_dtype=None):
-    _check_scaled_mm(a, b, a_scale, b_scale, offs, "fp8_blockwise", out_dtype)
+def _(a, b, a_scale, b_scale, offs, out_dtype=None, bias=None):
+    _check_scaled_mm(a, b, a_scale, b_scale, offs, "fp8_blockwise", out_dtype, bias)
     return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or torch.bfloat16)
 
 

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from compiled_moe import reference
 from compiled_moe.ops._dispatch import (
+    check_bias,
     check_offs,
     check_out_dtype,
     check_same_device,
@@ -57,11 +58,7 @@ def _check_grouped_mm(a, b, offs, bias, out_dtype) -> None:
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"a has K={a.shape[1]} columns but b is (G, K, N) = {tuple(b.shape)}; "
                          f"K must match (pass an (G, N, K) weight as w.transpose(-2, -1))")
-    if bias is not None:
-        check_tensor("bias", bias, 2)
-        if tuple(bias.shape) != (b.shape[0], b.shape[2]):
-            raise ValueError(f"bias must have shape (G, N) = {(b.shape[0], b.shape[2])}, "
-                             f"got {tuple(bias.shape)}")
+    check_bias(bias, b.shape[0], b.shape[2])
     check_out_dtype(out_dtype)
 
 
