@@ -636,9 +636,13 @@ def test_compile_dynamic_one_compile_fp8_training_step():
     H, I, G = 128, 32, 4
     w1 = (torch.randn(G, 2 * I, H) / H ** 0.5).requires_grad_(True)
     w2 = (torch.randn(G, H, I) / I ** 0.5).requires_grad_(True)
+    b1 = torch.randn(G, 2 * I).requires_grad_(True)
+    b2 = torch.randn(G, H).requires_grad_(True)
+    params = (w1, w2, b1, b2)
 
-    def step(x, offs, probs):  # the FP8 expert MLP: two fp8_grouped_mm and the activation
-        return cm.moe_mlp(x, offs, w1, w2, probs=probs, fp8_recipe="fp8_blockwise").square().sum()
+    def step(x, offs, probs):  # the FP8 expert MLP: two fp8_grouped_mm (with biases) and the activation
+        return cm.moe_mlp(x, offs, w1, w2, probs=probs, b1=b1, b2=b2,
+                          fp8_recipe="fp8_blockwise").square().sum()
 
     compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
     # Above 32 rows: inductor's CPU code for the reference path guards on M <= 32 once.
@@ -648,13 +652,15 @@ def test_compile_dynamic_one_compile_fp8_training_step():
         probs = torch.rand(M)
         got = compiled(x, offs, probs)
         got.backward()
-        grads = [t.grad.clone() for t in (x, w1, w2)]
-        x.grad = w1.grad = w2.grad = None
+        grads = [t.grad.clone() for t in (x, *params)]
+        for t in (x, *params):
+            t.grad = None
         want = step(x, offs, probs)
         want.backward()
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(grads, [x.grad, w1.grad, w2.grad], rtol=1e-4, atol=1e-4)
-        x.grad = w1.grad = w2.grad = None
+        torch.testing.assert_close(grads, [t.grad for t in (x, *params)], rtol=1e-4, atol=1e-4)
+        for t in (x, *params):
+            t.grad = None
     assert counter.frame_count == 1
 
 
