@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from compiled_moe.ops._dispatch import is_transposed_weight
 from compiled_moe.reference import FP8_RECIPES, check_recipe
 
 
@@ -64,6 +65,7 @@ class _FP8GroupedMM(torch.autograd.Function):
                                                        a.dtype, bias)
         ctx.save_for_backward(a_col, a_col_s, w_col, w_col_s, offs)
         ctx.recipe, ctx.a_dtype, ctx.b_dtype = recipe, a.dtype, b.dtype
+        ctx.b_transposed = is_transposed_weight(b)
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out
 
@@ -78,7 +80,10 @@ class _FP8GroupedMM(torch.autograd.Function):
             # dgrad: grad (M, N) @ W (N, K); w_col (G, K, N) is W's columnwise data.
             grad_a = torch.ops.compiled_moe.scaled_grouped_mm(g_q, w_col.mT, g_s, w_col_s, offs,
                                                               ctx.recipe, ctx.a_dtype)
-        if need_b:
+        if need_b and ctx.b_transposed:  # (G, N, K), the weight's own storage order
+            grad_b = torch.ops.compiled_moe.scaled_grouped_mm_wgrad(
+                g_col, a_col, g_col_s, a_col_s, offs, ctx.recipe, ctx.b_dtype).mT
+        elif need_b:
             grad_b = torch.ops.compiled_moe.scaled_grouped_mm_wgrad(
                 a_col, g_col, a_col_s, g_col_s, offs, ctx.recipe, ctx.b_dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:  # from the unquantized grad

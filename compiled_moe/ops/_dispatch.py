@@ -126,6 +126,13 @@ def kernel_op(name: str, *, device_types=("cuda",)):
     return register
 
 
+def is_transposed_weight(b: Tensor) -> bool:
+    """b is the (G, K, N) transposed view of a contiguous (G, N, K) weight: its gradient is
+    written in the weight's own storage order (else autograd hands the weight a transposed
+    gradient, which every later add and optimizer step reads with a strided kernel)."""
+    return b.stride(1) == 1 and b.stride(2) != 1
+
+
 def check_tensor(name: str, t, ndim: int, dtypes=OP_DTYPES) -> None:
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

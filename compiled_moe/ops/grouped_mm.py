@@ -25,6 +25,7 @@ from torch import Tensor
 from compiled_moe import reference
 from compiled_moe.ops._dispatch import (
     check_bias,
+    is_transposed_weight,
     check_offs,
     check_out_dtype,
     check_same_device,
@@ -112,11 +113,6 @@ def _(a, b, offs, bias=None, out_dtype=None):
     return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or a.dtype)
 
 
-def _b_is_transposed_weight(b: Tensor) -> bool:
-    """b is the (G, K, N) transposed view of a contiguous (G, N, K) weight."""
-    return b.stride(1) == 1 and b.stride(2) != 1
-
-
 def _grouped_mm_setup(ctx, inputs, output):
     a, b, offs, bias, _ = inputs
     ctx.save_for_backward(a, b, offs)
@@ -132,7 +128,7 @@ def _grouped_mm_backward(ctx, grad):
         # is the contiguous weight itself).
         grad_a = torch.ops.compiled_moe.grouped_mm(grad, b.mT, offs)
     if ctx.needs_input_grad[1]:
-        if _b_is_transposed_weight(b):
+        if is_transposed_weight(b):
             # Write the gradient in the weight's own (G, N, K) storage order.
             grad_b = torch.ops.compiled_moe.grouped_mm_wgrad(grad, a, offs, out_dtype=b.dtype).mT
         else:
