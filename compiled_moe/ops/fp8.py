@@ -284,9 +284,9 @@ def _fp8_blockwise_grouped_mm_sm90(a: Tensor, b: Tensor, a_scale: Tensor, b_scal
     if m == 0 or n == 0:
         return out
     sm90 = _sm90()
-    if k > 0 and sm90.aligned(a, b):
+    if k > 0 and sm90.supported(a, b, "fp8_blockwise", bias) and sm90.aligned(a, b):
         sm90.scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, bias)
-    else:  # K = 0 or an unaligned view: the Triton kernel handles both
+    else:  # K = 0, an unaligned view or a strided bias: the Triton kernel handles them
         _kernels()[1].scaled_grouped_mm(a, b, a_scale, b_scale, offs, "fp8_blockwise", out, bias)
     return out
 
