@@ -245,14 +245,8 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
     }
     // The tile's bias goes to shared memory under the k loop, two columns a thread of the first
     // two warps (zeros past N); the previous tile's epilogue has read the buffer (its barrier).
-    if (HAS_BIAS && tid_wg < BLOCK_N / 2) {
-      const int col = tile.col0 + 2 * tid_wg, in_range = col < N;  // (N is even)
-      const long long i = tile.group * bias_stride_g + (in_range ? col : 0);
-      if (bias_kind == 2)
-        cp_async_zfill<8>(tile_bias + 8 * tid_wg, (const float*)bias + i, in_range ? 8 : 0);
-      else
-        cp_async_zfill<4>(tile_bias + 4 * tid_wg, (const unsigned short*)bias + i, in_range ? 4 : 0);
-    }
+    if (HAS_BIAS && tid_wg < BLOCK_N / 2)
+      copy_bias_pair(tile_bias, tid_wg, bias, bias_kind, tile.group * bias_stride_g, tile.col0, N);
     const int r0 = row0 + frag_row, r1 = r0 + 8;
     const float* sa0 = a_scale + (long long)min(r0, M - 1) * a_scale_stride_m;
     const float* sa1 = a_scale + (long long)min(r1, M - 1) * a_scale_stride_m;

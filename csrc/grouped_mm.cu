@@ -441,14 +441,7 @@ __device__ __forceinline__ void grouped_mm_fwd(
     // the time of the forward without a bias (H200). The previous tile's epilogue has read the
     // buffer: every thread passed the barrier after it. (Split K: the first range adds it.)
     const bool staged_bias = bias_kind >= 0 && (!(SPLIT_K && splits > 1) || t % splits == 0);
-    if (staged_bias) {
-      const int col = tile.col0 + 2 * tid, in_range = col < N;  // (N is even)
-      const long long i = tile.group * bias_stride_g + (in_range ? col : 0);
-      if (bias_kind == 2)
-        cp_async_zfill<8>(tile_bias + 8 * tid, (const float*)bias + i, in_range ? 8 : 0);
-      else
-        cp_async_zfill<4>(tile_bias + 4 * tid, (const unsigned short*)bias + i, in_range ? 4 : 0);
-    }
+    if (staged_bias) copy_bias_pair(tile_bias, tid, bias, bias_kind, tile.group * bias_stride_g, tile.col0, N);
 #pragma unroll
     for (int i = 0; i < FRAG; ++i) acc[i] = 0.f;
     consume_steps(steps, stage, phase, num_stages, full, empty, smem, lane, [&](int, unsigned char* st) {

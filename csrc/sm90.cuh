@@ -177,6 +177,16 @@ __device__ __forceinline__ void cp_async_zfill(void* dst, const void* src, int s
                "r"(src_bytes) : "memory");
 }
 
+// Pair p of a tile's bias (columns col0 + 2p and + 1 of row `group`, kind 2 fp32 else 16-bit)
+// into tile_bias by cp.async; zeros past N (N even: a pair never straddles it).
+__device__ __forceinline__ void copy_bias_pair(unsigned char* tile_bias, int p, const void* bias, int kind,
+                                               long long group_offset, int col0, int N) {
+  const int col = col0 + 2 * p, in_range = col < N;
+  const long long i = group_offset + (in_range ? col : 0);
+  if (kind == 2) cp_async_zfill<8>(tile_bias + 8 * p, (const float*)bias + i, in_range ? 8 : 0);
+  else cp_async_zfill<4>(tile_bias + 4 * p, (const unsigned short*)bias + i, in_range ? 4 : 0);
+}
+
 __device__ __forceinline__ float ld_shared_f32(u32 addr) {
   float v;
   asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
