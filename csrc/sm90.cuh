@@ -177,8 +177,9 @@ __device__ __forceinline__ void cp_async_zfill(void* dst, const void* src, int s
                "r"(src_bytes) : "memory");
 }
 
-// Pair p of a tile's bias (columns col0 + 2p and + 1 of row `group`, kind 2 fp32 else 16-bit)
-// into tile_bias by cp.async; zeros past N (N even: a pair never straddles it).
+// Pair p of a tile's bias (columns col0 + 2p and + 1 of the group's bias row, which starts
+// group_offset elements in; kind 2 fp32, else 16-bit) into tile_bias by cp.async; zeros past N
+// (N even: a pair never straddles it).
 __device__ __forceinline__ void copy_bias_pair(unsigned char* tile_bias, int p, const void* bias, int kind,
                                                long long group_offset, int col0, int N) {
   const int col = col0 + 2 * p, in_range = col < N;
