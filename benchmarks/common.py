@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import platform
+import statistics
 import time
 
 import torch
@@ -89,14 +90,29 @@ def graph_of(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def interleaved(fns: dict, rounds: int = 3) -> dict:
-    """{name: ms}, the best of `rounds` medians of each function, the functions timed in turn
-    in each round (a slow spell of the GPU then hits every contender alike)."""
+def timed_rounds(fns: dict, rounds: int = 3) -> dict:
+    """{name: [ms of each round]}: the functions timed in turn in each round (a slow spell of
+    the GPU then hits every contender alike), in reverse order every other round (the place in
+    a round can favour a contender)."""
     times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    for r in range(rounds):
+        for name, fn in (reversed(fns.items()) if r % 2 else fns.items()):
             times[name].append(bench(fn))
-    return {name: min(t) for name, t in times.items()}
+    return times
+
+
+def interleaved(fns: dict, rounds: int = 3) -> dict:
+    """{name: ms}, the best of `rounds` medians of each function (timed_rounds)."""
+    return {name: min(t) for name, t in timed_rounds(fns, rounds).items()}
+
+
+def paired_ratio(times: dict, a: str, b: str) -> tuple[float, float, float]:
+    """Median, min and max over the rounds of timed_rounds of b's time over a's (> 1: a is
+    faster). For two builds a few % apart: on the H200, ratios of the best times of the same
+    two builds swung between runs (one FP8 case read 1.19x and 0.88x); the rounds' ratios show
+    the spread, and their median moves less."""
+    ratios = sorted(tb / ta for ta, tb in zip(times[a], times[b]))
+    return statistics.median(ratios), ratios[0], ratios[-1]
 
 
 def gmean(values) -> float:
