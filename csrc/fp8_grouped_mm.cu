@@ -393,10 +393,11 @@ FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm_x2_bias, 2, true, __cluster_dims__
 // Why CUDA: the Triton kernel waits for every chunk's wgmma before scaling it, and stored its
 // tile from registers; it ran at 0.39-0.83x of torch._grouped_mm in bf16. This kernel:
 // 0.89-1.15x (RESULTS.md), about level with bf16. It is the forward kernel's block (producer
-// warp, two consumer warpgroups of 64 rows) walking (group, P tile, Q tile) tiles; the producer
-// warpgroup's other three warps stage each chunk's scales (per row of a_t and of d_t) and cut
-// the chunk that passes its group's end in shared memory; the bf16 weight gradient's TMA-store
-// epilogue (the tile leaves under the next tile's wgmma).
+// warp, two consumer warpgroups of 64 rows) walking (group, P tile, Q tile) tiles (claimed at
+// run time in fp8_grouped_mm_wgrad_claimed, where the fixed order is unbalanced: TileQueue,
+// sm90.cuh); the producer warpgroup's other three warps stage each chunk's scales (per row of
+// a_t and of d_t) and cut the chunk that passes its group's end in shared memory; the bf16
+// weight gradient's TMA-store epilogue (the tile leaves under the next tile's wgmma).
 // Groups must start at multiples of 16 rows (TMA along the rows); see the test on offs below.
 
 constexpr int WGRAD_BAND_P = 8;  // tile order: see band_tile (sm90.cuh)
@@ -439,12 +440,15 @@ __device__ __forceinline__ void cut_row(unsigned char* tile, int row, int valid,
 // loads) and the stage goes back before the promotion's arithmetic: a further 1.00-1.07x
 // (geometric mean 1.03x). Against two buffers, with the same changes where they apply:
 // 1.02-1.08x on all 16 bench_fp8 shapes (H200, same-process A/Bs, outputs bitwise equal).
+// CLAIMED: as the bf16 weight gradient's (csrc/grouped_mm.cu).
+template <bool CLAIMED>
 __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
     const TensorMap& a_map, const TensorMap& d_map, const TensorMap& out_map,
     const float* __restrict__ a_scale, long long a_scale_stride_p, int a_scale_stride_s,
     const float* __restrict__ d_scale, long long d_scale_stride_q, int d_scale_stride_s,
     int out_kind, const int* __restrict__ offs, int M, int P, int Q, int G, int num_stages,
-    int scale_per_group) {
+    int scale_per_group, int* __restrict__ order) {
+  if (order[0] != (int)CLAIMED) return;
   extern __shared__ __align__(1024) unsigned char wgrad_smem_raw[];
   unsigned char* smem = (unsigned char*)(((u64)wgrad_smem_raw + 1023) & ~1023ull);
   const int staging_bytes = staging_boxes(out_kind) * STAGING_BOX_BYTES;
@@ -452,7 +456,9 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
   u64* full = (u64*)(out_stage + 2 * staging_bytes);
   u64* empty = full + MAX_STAGES;
   u64* ready = empty + MAX_STAGES;  // a stage's scales are in place and its rows cut
-  float* stage_scales = (float*)(ready + MAX_STAGES);  // [stage][256]: a_t's 128 rows, d_t's 128
+  const TileQueue tiles = TileQueue::at(ready + MAX_STAGES);  // CLAIMED only
+  // [stage][256]: a_t's 128 rows, d_t's 128
+  float* stage_scales = (float*)((unsigned char*)(ready + MAX_STAGES) + TileQueue::BYTES);
   int* scratch = (int*)(stage_scales + num_stages * 256);
   // The groups' rows, and (as tile_end, chunks of 128 rows) the end of their scale slots.
   Schedule groups{scratch + 32, scratch + 32 + G, scratch + 32 + 2 * G};
@@ -460,6 +466,7 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
   const int num_p = (P + BLOCK_M - 1) / BLOCK_M, num_q = (Q + BLOCK_N - 1) / BLOCK_N;
   const int num_tiles = G * num_p * num_q;
   const int warpgroup = threadIdx.x / 128, lane = threadIdx.x & 31;
+  if (CLAIMED) tiles.init(8 + 3);  // read by the consumers' 8 warps and the 3 helper warps
   init_ring(full, empty, num_stages, 8);
   if (threadIdx.x == 0)
     for (int st = 0; st < num_stages; ++st) mbar_init(&ready[st], 32);  // fenced by the barrier below
@@ -492,7 +499,8 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
       asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&d_map) : "memory");
       int stage = 0;
       u32 phase = 0;
-      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      for (int t = blockIdx.x, next, k = 0; t < num_tiles; t = next) {
+        next = CLAIMED ? TileQueue::claim(order + 1) : t + (int)gridDim.x;
         int g, p0, q0;
         tile_of(t, g, p0, q0);
         for (int m0 = groups.row_start[g]; m0 < groups.row_end[g]; m0 += BLOCK_K) {
@@ -502,7 +510,9 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
           tma_load_2d(dst, &a_map, &full[stage], m0, p0);
           tma_load_2d(dst + TILE_BYTES, &d_map, &full[stage], m0, q0);
           if (++stage == num_stages) { stage = 0; phase ^= 1; }
+          if (CLAIMED && m0 == groups.row_start[g]) tiles.push(k++, next);  // after the tile's first load
         }
+        if (CLAIMED && groups.row_start[g] == groups.row_end[g]) tiles.push(k++, next);  // (no loads)
       }
     } else if (warp > 0) {
       // Warps 1-3 take chunks in turn: a chunk's scale loads take a global load's latency,
@@ -511,7 +521,7 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
       // an empty barrier it waits on is never two phases behind.
       int stage = 0, seq = 0;
       u32 phase = 0;
-      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      for (int t = blockIdx.x, k = 0; t < num_tiles; t = CLAIMED ? tiles.pop(k++, lane) : t + (int)gridDim.x) {
         int g, p0, q0;
         tile_of(t, g, p0, q0);
         const int rows = groups.row_end[g] - groups.row_start[g];
@@ -638,19 +648,21 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
   // A tile's epilogue runs under the next tile's first wgmma: the output staged while it is
   // in flight and stored after it, the next tile's place computed meanwhile too; the first
   // chunk's promotion initializes acc.
-  int t = blockIdx.x, g = 0, p0 = 0, q0 = 0;
+  // CLAIMED: the next tile is popped once this tile's first stage is in hand (the producer has
+  // issued that load, and passes the next tile on right after it).
+  int t = blockIdx.x, g = 0, p0 = 0, q0 = 0, k = 0;
   if (t < num_tiles) tile_of(t, g, p0, q0);
   int steps = group_steps(g);
   int done_g = -1, done_p0 = 0, done_q0 = 0;  // the tile whose output acc holds, unstored
 #pragma unroll
   for (int i = 0; i < FRAG; ++i) acc[i] = 0.f;
-  for (; t < num_tiles; t += gridDim.x) {
+  for (int next; t < num_tiles; t = next) {
     int next_g, next_p0, next_q0;
-    const int next = min(t + (int)gridDim.x, num_tiles - 1);
     if (steps > 0) {
       const int issued = issue();
       stage_output<false>(staging, acc, out_kind, consumer, frag_row, frag_col);
-      tile_of(next, next_g, next_p0, next_q0);
+      next = CLAIMED ? tiles.pop(k++, lane) : t + (int)gridDim.x;
+      tile_of(min(next, num_tiles - 1), next_g, next_p0, next_q0);
       wgmma_wait<0>();
       if (done_g >= 0) store_tile(done_g, done_p0, done_q0);
       promote(issued, load_scales(issued), Initialize);
@@ -661,7 +673,8 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
       }
     } else {  // an empty group: its tile is zeros
       stage_output<false>(staging, acc, out_kind, consumer, frag_row, frag_col);
-      tile_of(next, next_g, next_p0, next_q0);
+      next = CLAIMED ? tiles.pop(k++, lane) : t + (int)gridDim.x;
+      tile_of(min(next, num_tiles - 1), next_g, next_p0, next_q0);
       if (done_g >= 0) store_tile(done_g, done_p0, done_q0);
 #pragma unroll
       for (int i = 0; i < FRAG; ++i) acc[i] = 0.f;
@@ -677,15 +690,19 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
   if (tid_wg == 0) bulk_wait();
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_mm_wgrad(
-    const __grid_constant__ TensorMap a_map,    // a_t (P, M) e4m3: dims {M, P}, box {128, 128}
-    const __grid_constant__ TensorMap d_map,    // d_t (Q, M) e4m3: dims {M, Q}, box {128, 128}
-    const __grid_constant__ TensorMap out_map,  // out (G, P, Q): dims {Q, P, G}, box {128 B, 64, 1}
-    const float* __restrict__ a_scale, long long a_scale_stride_p, int a_scale_stride_s,
-    const float* __restrict__ d_scale, long long d_scale_stride_q, int d_scale_stride_s,
-    int out_kind, const int* __restrict__ offs, int M, int P, int Q, int G, int num_stages,
-    int scale_per_group) {
-  fp8_grouped_mm_wgrad_body(a_map, d_map, out_map, a_scale, a_scale_stride_p, a_scale_stride_s, d_scale,
-                            d_scale_stride_q, d_scale_stride_s, out_kind, offs, M, P, Q, G, num_stages,
-                            scale_per_group);
-}
+#define FP8_WGRAD_KERNEL(NAME, CLAIMED)                                                                       \
+  extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                              \
+      const __grid_constant__ TensorMap a_map,   /* a_t (P, M) e4m3: dims {M, P}, box {128, 128} */           \
+      const __grid_constant__ TensorMap d_map,   /* d_t (Q, M) e4m3: dims {M, Q}, box {128, 128} */           \
+      const __grid_constant__ TensorMap out_map, /* out (G, P, Q): dims {Q, P, G}, box {128 B, 64, 1} */      \
+      const float* __restrict__ a_scale, long long a_scale_stride_p, int a_scale_stride_s,                    \
+      const float* __restrict__ d_scale, long long d_scale_stride_q, int d_scale_stride_s,                    \
+      int out_kind, const int* __restrict__ offs, int M, int P, int Q, int G, int num_stages,                 \
+      int scale_per_group, int* __restrict__ order /* wgrad_tile_order's (csrc/grouped_mm.cu) */) {           \
+    fp8_grouped_mm_wgrad_body<CLAIMED>(a_map, d_map, out_map, a_scale, a_scale_stride_p, a_scale_stride_s,    \
+                                       d_scale, d_scale_stride_q, d_scale_stride_s, out_kind, offs, M, P, Q,  \
+                                       G, num_stages, scale_per_group, order);                                \
+  }
+
+FP8_WGRAD_KERNEL(fp8_grouped_mm_wgrad, false)
+FP8_WGRAD_KERNEL(fp8_grouped_mm_wgrad_claimed, true)

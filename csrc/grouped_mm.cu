@@ -21,10 +21,11 @@
 //
 // Block: 384 threads. Warpgroup 0 is the producer (one thread issues TMA), warpgroups 1 and 2
 // each own 64 of a 128 x 256 output tile's rows (P). Persistent: one block per SM walks
-// tiles t = blockIdx.x, + gridDim.x, ... over (group, P tile, Q tile); every group has the
-// same number of tiles, so a tile's place needs no table. A group's last 64-row step may run
-// past its end: the consumers zero those rows in shared memory before their wgmma reads them
-// (the next group's rows, or anything past offs[-1]).
+// tiles t = blockIdx.x, + gridDim.x, ... over (group, P tile, Q tile), or (the _claimed
+// kernels) tiles claimed at run time where that order is unbalanced (TileQueue, sm90.cuh);
+// every group has the same number of tiles, so a tile's place needs no table. A group's last
+// 64-row step may run past its end: the consumers zero those rows in shared memory before
+// their wgmma reads them (the next group's rows, or anything past offs[-1]).
 
 #include "sm90.cuh"
 
@@ -133,21 +134,26 @@ __device__ __forceinline__ void consume_steps(int steps, int& stage, u32& phase,
   mbar_arrive_if(&empty[prev_stage], lane == 0 && steps > 0);
 }
 
-template <bool F16>
+// CLAIMED: the tiles claimed at run time (order[0] set by wgrad_tile_order; this kernel returns
+// at once otherwise, and the fixed-order one where it is set).
+template <bool F16, bool CLAIMED>
 __device__ __forceinline__ void grouped_mm_wgrad(
     const TensorMap& a_map, const TensorMap& b_map, const TensorMap& out_map, int out_kind,
     int accumulate, const unsigned char* __restrict__ mask, const int* __restrict__ offs, int M, int P,
-    int Q, int G, int num_stages) {
+    int Q, int G, int num_stages, int* __restrict__ order) {
+  if (order[0] != (int)CLAIMED) return;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // 1024-byte alignment of every box: the 128-byte swizzle pattern repeats every 1024 bytes.
   unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
   unsigned char* out_stage = smem + num_stages * STAGE_BYTES;  // 2 consumers x 32 KB
   u64* full = (u64*)(out_stage + 2 * OUT_STAGE_BYTES);
   u64* empty = full + MAX_STAGES;
+  const TileQueue tiles = TileQueue::at(empty + MAX_STAGES);  // CLAIMED only
 
   const int num_p = (P + BLOCK_P - 1) / BLOCK_P, num_q = (Q + BLOCK_Q - 1) / BLOCK_Q;
   const int num_tiles = G * num_p * num_q;
   const int warpgroup = threadIdx.x / 128;
+  if (CLAIMED) tiles.init(8);
   init_ring(full, empty, num_stages, 8);
   __syncthreads();
 
@@ -166,7 +172,8 @@ __device__ __forceinline__ void grouped_mm_wgrad(
       int stage = 0;
       u32 phase = 0;
       GroupRows group_rows;  // tiles go in group order
-      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      for (int t = blockIdx.x, next, k = 0; t < num_tiles; t = next) {
+        next = CLAIMED ? TileQueue::claim(order + 1) : t + (int)gridDim.x;
         int g, p0, q0, start, end;
         tile_of(t, g, p0, q0);
         group_rows.of(offs, M, g, start, end);
@@ -181,7 +188,9 @@ __device__ __forceinline__ void grouped_mm_wgrad(
           for (int j = 0; j < b_boxes; ++j)
             tma_load_2d(dst + (A_BOXES + j) * BOX_BYTES, &b_map, &full[stage], (q0 + j * CHUNK) * 2, row);
           if (++stage == num_stages) { stage = 0; phase ^= 1; }
+          if (CLAIMED && row == start) tiles.push(k++, next);  // after the tile's first load
         }
+        if (CLAIMED && start == end) tiles.push(k++, next);  // (an empty group's tile: no loads)
       }
     }
     return;
@@ -199,7 +208,7 @@ __device__ __forceinline__ void grouped_mm_wgrad(
   u32 phase = 0;
   GroupRows group_rows;
 
-  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+  for (int t = blockIdx.x, k = 0; t < num_tiles; t = CLAIMED ? tiles.pop(k++, lane) : t + (int)gridDim.x) {
     int g, p0, q0, start, end;
     tile_of(t, g, p0, q0);
     group_rows.of(offs, M, g, start, end);
@@ -254,18 +263,28 @@ __device__ __forceinline__ void grouped_mm_wgrad(
   if (tid == 0) bulk_wait();
 }
 
-#define WGRAD_KERNEL(NAME, F16)                                                                            \
-  extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                          \
-      const __grid_constant__ TensorMap a_map,   /* a (M, P): bytes {2P, M}, box {128, 64} */              \
-      const __grid_constant__ TensorMap b_map,   /* b (M, Q): bytes {2Q, M}, box {128, 64} */              \
-      const __grid_constant__ TensorMap out_map, /* out (G, P, Q): {Q, P, G}, box {128 bytes, 64, 1} */    \
-      int out_kind, int accumulate, const unsigned char* __restrict__ mask, const int* __restrict__ offs,  \
-      int M, int P, int Q, int G, int num_stages) {                                                        \
-    grouped_mm_wgrad<F16>(a_map, b_map, out_map, out_kind, accumulate, mask, offs, M, P, Q, G, num_stages); \
+#define WGRAD_KERNEL(NAME, F16, CLAIMED)                                                                      \
+  extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                              \
+      const __grid_constant__ TensorMap a_map,   /* a (M, P): bytes {2P, M}, box {128, 64} */                 \
+      const __grid_constant__ TensorMap b_map,   /* b (M, Q): bytes {2Q, M}, box {128, 64} */                 \
+      const __grid_constant__ TensorMap out_map, /* out (G, P, Q): {Q, P, G}, box {128 bytes, 64, 1} */       \
+      int out_kind, int accumulate, const unsigned char* __restrict__ mask, const int* __restrict__ offs,     \
+      int M, int P, int Q, int G, int num_stages, int* __restrict__ order /* wgrad_tile_order's */) {         \
+    grouped_mm_wgrad<F16, CLAIMED>(a_map, b_map, out_map, out_kind, accumulate, mask, offs, M, P, Q, G,       \
+                                   num_stages, order);                                                        \
   }
 
-WGRAD_KERNEL(grouped_mm_wgrad_bf16, false)
-WGRAD_KERNEL(grouped_mm_wgrad_f16, true)
+WGRAD_KERNEL(grouped_mm_wgrad_bf16, false, false)
+WGRAD_KERNEL(grouped_mm_wgrad_f16, true, false)
+WGRAD_KERNEL(grouped_mm_wgrad_bf16_claimed, false, true)
+WGRAD_KERNEL(grouped_mm_wgrad_f16_claimed, true, true)
+
+// Both weight gradients' tile order (TileQueue, sm90.cuh): one block, launched before them.
+extern "C" __global__ void __launch_bounds__(256, 1) wgrad_tile_order(
+    const int* __restrict__ offs, int M, int G, int tiles_per_group, int rows_per_step, int grid,
+    int* __restrict__ order) {
+  wgrad_tile_order_body(offs, M, G, tiles_per_group, rows_per_step, grid, order);
+}
 
 // ---------------------------------------------------------------------------------------------
 // grouped_mm_{bf16,f16}[_nmajor]: forward and dgrad,

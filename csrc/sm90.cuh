@@ -11,9 +11,11 @@ struct __align__(64) TensorMap { u64 opaque[16]; };
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
-__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+// mbarriers by shared address (u32) or by pointer.
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
 }
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) { mbar_init(smem_addr(bar), count); }
 
 // The ring's barriers, by thread 0: full[s] completes when stage s's TMA bytes have landed
 // (the producer's one arrival), empty[s] when lane 0 of each of the `consumer_warps` has
@@ -34,17 +36,19 @@ __device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
 
 // Predicated rather than branched: it runs while a wgmma is in flight, and nvcc 13.0's ptxas
 // serializes every wgmma (waits for each) when a divergent branch sits inside a flight.
-__device__ __forceinline__ void mbar_arrive_if(u64* bar, bool pred) {
+__device__ __forceinline__ void mbar_arrive_if(u32 bar, bool pred) {
   asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %1, 0;\n @p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n"
-               ::"r"(smem_addr(bar)), "r"((int)pred) : "memory");
+               ::"r"(bar), "r"((int)pred) : "memory");
 }
+__device__ __forceinline__ void mbar_arrive_if(u64* bar, bool pred) { mbar_arrive_if(smem_addr(bar), pred); }
 
-__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
   asm volatile(
       "{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT;\n}\n"
-      ::"r"(smem_addr(bar)), "r"(parity)
+      ::"r"(bar), "r"(parity)
       : "memory");
 }
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) { mbar_wait(smem_addr(bar), parity); }
 
 __device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, u64* bar, int c0, int c1) {
   asm volatile(
@@ -359,6 +363,155 @@ __device__ __forceinline__ int band_tile(int t, int num_p, int num_q, int band, 
   p0 = (int)(first + in_band % band_p);
   q0 = (int)(in_band / band_p);
   return (int)g;
+}
+
+// The weight gradients' tile order: fixed, or claimed at run time. A weight-gradient tile
+// reduces its group's rows, so under skewed routing tiles differ in length. In the fixed order
+// (CTA b takes tiles b, b + gridDim.x, ...) with fewer tiles a group than CTAs (Qwen3's 128
+// experts: 48 and 96 bf16 tiles of 128 x 256), each CTA meets the same few groups' tiles round
+// after round: a simulation put the most loaded CTA 11-30% past the mean on Qwen3's skewed
+// shapes (2-4% on the other models', 1% or less under uniform routing); claimed at run time,
+// 1-2%. But claiming in the kernel that runs the fixed order cost the fixed order 7-10% on the
+// H200 (not its instructions' time; RESULTS.md), so each weight gradient has two instantiations:
+// wgrad_tile_order decides from offs (fixed_order_unbalanced) and both launch after it, and
+// the one not chosen returns at once. Measured against the fixed order (same launches): Qwen3
+// skewed fc2 1.06-1.09x bf16 and FP8, bf16 fc1 1.00-1.02x, the other shapes level (they keep
+// the fixed order); the two extra launches cost about 5 us a call.
+//
+// Claimed at run time, each CTA's first tile is blockIdx.x and each next one comes from a
+// global counter (zeroed by wgrad_tile_order), claimed as the producer starts the tile before it
+// (the atomic's latency passes under that tile's loads), so tiles still start in index order
+// (the band order's L2 reuse holds). The producer passes each claimed tile to the CTA's other
+// warps through a ring of TILE_SLOTS slots in shared memory right after it has issued the
+// previous tile's first load (a reader that pops while it holds a stage of that tile never
+// waits on loads it holds back), then the first claim past the last tile. Every reader warp
+// pops every tile in order (whole warps: the value is broadcast, so ptxas sees it uniform).
+constexpr int TILE_SLOTS = 8;
+struct TileQueue {
+  // One shared address (the producer runs in 40 registers): full[TILE_SLOTS] (the producer's
+  // write), empty[TILE_SLOTS] (lane 0 of every reader warp has read), tile[TILE_SLOTS].
+  u32 base;
+  static constexpr int BYTES = TILE_SLOTS * (2 * 8 + 4);
+  __device__ __forceinline__ static TileQueue at(void* smem) {  // BYTES there, 8-byte aligned
+    return TileQueue{smem_addr(smem)};
+  }
+  __device__ __forceinline__ u32 full(int s) const { return base + 8 * s; }
+  __device__ __forceinline__ u32 empty(int s) const { return base + 8 * (TILE_SLOTS + s); }
+  __device__ __forceinline__ u32 tile(int s) const { return base + 16 * TILE_SLOTS + 4 * s; }
+  // By thread 0 before the block's first barrier (which publishes it).
+  __device__ __forceinline__ void init(int reader_warps) const {
+    if (threadIdx.x != 0) return;
+    for (int s = 0; s < TILE_SLOTS; ++s) {
+      mbar_init(full(s), 1);
+      mbar_init(empty(s), reader_warps);
+    }
+  }
+  // A tile after the first gridDim.x, from the counter (>= num_tiles: none left).
+  __device__ __forceinline__ static int claim(int* counter) { return (int)gridDim.x + atomicAdd(counter, 1); }
+  // The producer's k-th claimed tile.
+  __device__ __forceinline__ void push(int k, int t) const {
+    const int s = k % TILE_SLOTS;
+    mbar_wait(empty(s), ((k / TILE_SLOTS) & 1) ^ 1);
+    asm volatile("st.shared.b32 [%0], %1;\n mbarrier.arrive.shared::cta.b64 _, [%2];"
+                 ::"r"(tile(s)), "r"(t), "r"(full(s)) : "memory");
+  }
+  __device__ __forceinline__ int pop(int k, int lane) const {
+    const int s = k % TILE_SLOTS;
+    mbar_wait(full(s), (k / TILE_SLOTS) & 1);
+    int t;  // (read by every lane, a broadcast: no branch; lane 0's copy is the one kept)
+    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(t) : "r"(tile(s)) : "memory");
+    t = __shfl_sync(0xffffffffu, t, 0);
+    mbar_arrive_if(empty(s), lane == 0);
+    return t;
+  }
+};
+
+// Whether the fixed order over `grid` CTAs would leave the most loaded one more than
+// ORDER_PERCENT % past the mean, a tile costing its group's steps of rows_per_step rows plus one
+// for the epilogue (about a step's worth: RESULTS.md), groups holding tiles_per_group tiles each
+// in order. The loads come from a circular difference array over the CTAs (a group's tiles add
+// to runs of CTAs), O(G + grid). Group rows from offs as the kernels take them when offs is
+// valid (a corrupt offs can only change the choice of order). All threads of one block.
+// scratch: ORDER_SCRATCH long longs.
+constexpr int ORDER_MAX_GRID = 256, ORDER_PERCENT = 6;
+constexpr int ORDER_SCRATCH = (ORDER_MAX_GRID + 2) / 2 + 2 * 32 + 1;  // runs (ints), 2 sums a warp, the answer
+__device__ bool fixed_order_unbalanced(const int* __restrict__ offs, int M, int G, int tiles_per_group,
+                                       int rows_per_step, int grid, long long* scratch) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (grid > ORDER_MAX_GRID) return false;
+  int* runs = (int*)scratch;  // [grid + 1]; a run's sum is at most the groups' steps
+  long long* warp_sums = scratch + (ORDER_MAX_GRID + 2) / 2;
+  int* answer = (int*)(warp_sums + 2 * 32);
+  // (32-bit: shared-memory atomics on 64-bit values are compare-and-swap loops.)
+  auto add = [&](int i, int v) { asm volatile("red.shared.add.s32 [%0], %1;" ::"r"(smem_addr(runs + i)), "r"(v) : "memory"); };
+  for (int i = threadIdx.x; i <= grid; i += blockDim.x) runs[i] = 0;
+  __syncthreads();
+  const long long whole = tiles_per_group / grid;
+  const int rest = tiles_per_group % grid;
+  long long common = 0, total = 0;
+  for (int g = threadIdx.x; g < G; g += blockDim.x) {
+    const int rows = max(clamped_end(offs, g, M) - (g > 0 ? clamped_end(offs, g - 1, M) : 0), 0);
+    const int cost = (rows + rows_per_step - 1) / rows_per_step + 1;
+    total += (long long)cost * tiles_per_group;
+    common += cost * whole;  // every CTA's share of the group's whole rounds
+    if (rest > 0) {          // the rest: CTAs first .. first + rest - 1, circularly
+      const int first = (int)(((long long)g * tiles_per_group) % grid), end = first + rest;
+      add(first, cost);
+      if (end <= grid) {
+        add(end, -cost);
+      } else {
+        add(0, cost);
+        add(end - grid, -cost);
+      }
+    }
+  }
+  for (int d = 16; d > 0; d >>= 1) {
+    common += __shfl_xor_sync(0xffffffffu, common, d);
+    total += __shfl_xor_sync(0xffffffffu, total, d);
+  }
+  if (lane == 0) {
+    warp_sums[2 * warp] = common;
+    warp_sums[2 * warp + 1] = total;
+  }
+  __syncthreads();
+  if (warp == 0) {  // prefix sums over the CTAs in chunks, the largest load
+    const int per = (grid + 31) / 32, b0 = lane * per, b1 = min(b0 + per, grid);
+    long long chunk = 0;
+    for (int b = b0; b < b1; ++b) chunk += runs[b];
+    long long before = chunk;
+    for (int d = 1; d < 32; d <<= 1) {
+      const long long o = __shfl_up_sync(0xffffffffu, before, d);
+      if (lane >= d) before += o;
+    }
+    before -= chunk;
+    long long most = 0;
+    for (int b = b0; b < b1; ++b) most = max(most, before += runs[b]);
+    for (int d = 16; d > 0; d >>= 1) most = max(most, __shfl_xor_sync(0xffffffffu, most, d));
+    if (lane == 0) {
+      long long all_common = 0, all_total = 0;
+      for (int w = 0; w < (int)blockDim.x / 32; ++w) {
+        all_common += warp_sums[2 * w];
+        all_total += warp_sums[2 * w + 1];
+      }
+      *answer = (most + all_common) * grid * 100 > all_total * (100 + ORDER_PERCENT);
+    }
+  }
+  __syncthreads();
+  return *answer;
+}
+
+// order[0] = 1 where the weight gradient's tiles are to be claimed at run time (0: the fixed
+// order), order[1] = 0 (the claims' counter). One block; ORDER_SCRATCH long longs of dynamic
+// shared memory.
+__device__ __forceinline__ void wgrad_tile_order_body(const int* __restrict__ offs, int M, int G,
+                                                      int tiles_per_group, int rows_per_step, int grid,
+                                                      int* __restrict__ order) {
+  extern __shared__ long long order_scratch[];
+  const bool claimed = fixed_order_unbalanced(offs, M, G, tiles_per_group, rows_per_step, grid, order_scratch);
+  if (threadIdx.x == 0) {
+    order[0] = claimed;
+    order[1] = 0;
+  }
 }
 
 struct Tile {

@@ -20,7 +20,8 @@ KERNELS = {
                        "fp8_blockwise_grouped_mm_bias": "QGMMA.64x128x32.F32.E4M3.E4M3",
                        "fp8_blockwise_grouped_mm_x2": "QGMMA.64x128x32.F32.E4M3.E4M3",
                        "fp8_blockwise_grouped_mm_x2_bias": "QGMMA.64x128x32.F32.E4M3.E4M3",
-                       "fp8_grouped_mm_wgrad": "QGMMA.64x128x32.F32.E4M3.E4M3"},
+                       "fp8_grouped_mm_wgrad": "QGMMA.64x128x32.F32.E4M3.E4M3",
+                       "fp8_grouped_mm_wgrad_claimed": "QGMMA.64x128x32.F32.E4M3.E4M3"},
     "grouped_mm": {
         "grouped_mm_bf16": "HGMMA.64x256x16.F32.BF16",
         "grouped_mm_bf16_nmajor": "HGMMA.64x256x16.F32.BF16",
@@ -36,12 +37,14 @@ KERNELS = {
         "grouped_mm_f16_nmajor_skip_split": "HGMMA.64x256x16.F32",
         "grouped_mm_wgrad_bf16": "HGMMA.64x256x16.F32.BF16",
         "grouped_mm_wgrad_f16": "HGMMA.64x256x16.F32",
+        "grouped_mm_wgrad_bf16_claimed": "HGMMA.64x256x16.F32.BF16",
+        "grouped_mm_wgrad_f16_claimed": "HGMMA.64x256x16.F32",
     },
 }
 
 # Kernels that wait for each step's wgmma by design: the FP8 weight gradient has one buffer of
 # partial products (its other warpgroup's wgmma run meanwhile; csrc/fp8_grouped_mm.cu).
-WAITS_FOR_EACH_STEP = {"fp8_grouped_mm_wgrad"}
+WAITS_FOR_EACH_STEP = {"fp8_grouped_mm_wgrad", "fp8_grouped_mm_wgrad_claimed"}
 
 
 def _sass_by_function(cubin_path: str) -> dict[str, str]:

@@ -346,6 +346,7 @@ def test_fp8_blockwise_cuda_op_opcheck():
     (4096, 1024, 512, 4, 16, 0),     # 1024 rows a group: 8 chunks a tile
     (1008, 2880, 2880, 6, 16, 8),    # P, Q not multiples of the 128 x 128 tile
     (256, 136, 264, 40, 16, 0),      # most groups empty
+    (8192, 512, 768, 64, 16, 0),     # skewed groups of 24 tiles: claimed at run time (sm90.cuh)
 ])
 def test_fp8_cuda_wgrad_matches_reference_and_triton(shape, recipe, monkeypatch):
     """The CUDA weight-gradient kernel (csrc/fp8_grouped_mm.cu) and its Triton complement

@@ -178,6 +178,7 @@ CUDA_SHAPES = [  # (M, K, N, G, tail)
     (1000, 200, 328, 6, 8),      # K and N not multiples of the tiles
     (300, 64, 64, 1, 0),         # one group
     (3, 1440, 2880, 9, 0),       # fewer rows than a tile: most groups empty
+    (8192, 512, 768, 64, 0),     # skewed groups of 12 weight-gradient tiles: claimed at run time
 ]
 
 
@@ -427,3 +428,75 @@ def test_cuda_ops_opcheck():
     torch.library.opcheck(ops.grouped_mm_wgrad_accumulate_sm90_.default,
                           (torch.zeros(G, K, N, device=DEV), a, d, offs,
                            torch.ones(G, dtype=torch.bool, device=DEV)))
+
+
+# ----------------------------------- the weight gradients' tile order (TileQueue, csrc/sm90.cuh)
+
+def fixed_order_unbalanced(counts, tiles_per_group, rows_per_step, grid, percent=6):
+    """The fixed order's loads summed tile by tile: CTA b takes tiles b, b + grid, ...; a tile
+    costs its group's steps plus one."""
+    loads = [0] * grid
+    for g, rows in enumerate(counts):
+        for j in range(tiles_per_group):
+            loads[(g * tiles_per_group + j) % grid] += -(-rows // rows_per_step) + 1
+    return max(loads) * grid * 100 > sum(loads) * (100 + percent)
+
+
+def test_wgrad_tile_order():
+    """wgrad_tile_order (csrc/grouped_mm.cu) chooses tiles claimed at run time where the fixed
+    order would leave a CTA 6% past the mean (a circular difference array over the CTAs): its
+    choice against the loads summed tile by tile, and the claims' counter zeroed."""
+    from compiled_moe import native
+    from compiled_moe.kernels.grouped_mm_sm90 import ORDER_SCRATCH_BYTES
+    kernel = native.kernel("grouped_mm", "wgrad_tile_order", torch.cuda.current_device())
+    seen = set()
+    for M, G, seed, tiles_per_group, rows_per_step, grid in [
+        (32768, 128, 0, 48, 64, 132),     # Qwen3 fc2's bf16 weight gradient, skewed
+        (32768, 128, 0, 96, 64, 132),     # Qwen3 fc1
+        (32768, 128, 0, 192, 128, 132),   # the FP8 kernel's tiles of the same
+        (32768, 32, 0, 448, 64, 132),     # DeepSeek-V3 fc2: many tiles a group
+        (16384, 128, 0, 276, 64, 132),    # GPT-OSS fc2
+        (8192, 8, 0, 3584, 64, 132),      # Mixtral fc1
+        (32768, 128, -1, 48, 64, 132),    # uniform
+        (8192, 64, 8192, 12, 64, 132),    # test_cuda_kernels_match_oracle_and_triton's shape
+        (8192, 64, 8192, 24, 128, 132),   # ... and test_fp8_cuda_wgrad's (groups of 16-row multiples)
+        (1000, 7, 3, 5, 64, 30),          # a grid that divides nothing
+        (300, 3, 5, 2, 16, 6),
+    ]:
+        if seed < 0:
+            offs = torch.arange(1, G + 1, dtype=torch.int32, device=DEV) * (M // G)
+        elif rows_per_step == 128:
+            gen = torch.Generator().manual_seed(seed)
+            probs = torch.softmax(torch.randn(G, generator=gen), 0)
+            probs[:1] = 0
+            counts = torch.bincount(torch.multinomial(probs, M // 16, replacement=True, generator=gen),
+                                    minlength=G) * 16
+            offs = torch.cumsum(counts, 0).to(torch.int32).to(DEV)
+        else:
+            offs = skewed_offsets(M, G, seed=seed, empty_groups=1)
+        counts = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+        order = torch.full((2,), -1, dtype=torch.int32, device=DEV)
+        native.launch_driver(kernel, 1, 256, ORDER_SCRATCH_BYTES, offs, native.int32(M), native.int32(G),
+                             native.int32(tiles_per_group), native.int32(rows_per_step), native.int32(grid),
+                             order)
+        want = fixed_order_unbalanced(counts, tiles_per_group, rows_per_step, grid)
+        assert order.tolist() == [int(want), 0], (M, G, seed, tiles_per_group, grid)
+        seen.add(want)
+        if seed == 8192:  # the tests' shapes do claim at run time
+            assert want
+    assert seen == {True, False}
+
+
+def test_cuda_wgrad_claimed_tiles_deterministic():
+    """Claimed at run time, a tile lands on whichever CTA is free, but one CTA reduces it in a
+    fixed order: repeated runs give the same bits, equal to the oracle's sum."""
+    M, K, N, G = 8192, 512, 768, 64
+    torch.manual_seed(7)
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    dy = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
+    offs = skewed_offsets(M, G, seed=M, empty_groups=1)
+    first = cm.grouped_mm_wgrad(dy, x, offs)
+    for _ in range(3):
+        assert torch.equal(cm.grouped_mm_wgrad(dy, x, offs), first)
+    want = loop_wgrad(dy, x, offs).to(DEV)
+    torch.testing.assert_close(first.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())

@@ -26,6 +26,8 @@ _MAX_STAGES = 3  # what fits a Hopper block's 227 KB beside the output staging
 _OUT_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _OUT_MAP_TYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "FLOAT16", torch.float32: "FLOAT32"}
 _WGRAD_KERNELS = {torch.bfloat16: "grouped_mm_wgrad_bf16", torch.float16: "grouped_mm_wgrad_f16"}
+TILE_QUEUE_BYTES = 8 * (2 * 8 + 4)  # csrc/sm90.cuh's TileQueue
+ORDER_SCRATCH_BYTES = 8 * ((256 + 2) // 2 + 2 * 32 + 1)  # csrc/sm90.cuh's ORDER_SCRATCH long longs
 _FWD_KERNELS = {torch.bfloat16: "grouped_mm_bf16", torch.float16: "grouped_mm_f16"}
 MAX_GROUPS = 1024  # forward: the tile list lives in shared memory beside the ring
 
@@ -83,9 +85,23 @@ def wgrad_supported(a: torch.Tensor, grad_out: torch.Tensor, out_dtype: torch.dt
 
 def _shared_bytes(num_stages: int, num_groups: int = 0) -> int:
     # ring of 48 KB stages + output staging + 1024 alignment slack + 2 x 8 mbarriers
-    # (+ forward: 32 scan ints and 3 ints per group)
-    schedule = 4 * (32 + 3 * num_groups) if num_groups else 0
+    # (+ forward: 32 scan ints and 3 ints per group; weight gradient: the tile queue)
+    schedule = 4 * (32 + 3 * num_groups) if num_groups else TILE_QUEUE_BYTES
     return num_stages * _STAGE_BYTES + _OUT_STAGE_BYTES + 1024 + 2 * 8 * 8 + schedule
+
+
+def launch_wgrad(source: str, kernel: str, grid: int, shared_bytes: int, offs, M: int, G: int,
+                 tiles_per_group: int, rows_per_step: int, dev: int, *args) -> None:
+    """A weight gradient's two kernels (csrc/sm90.cuh, TileQueue): wgrad_tile_order chooses from
+    offs between its tiles in the fixed order and tiles claimed at run time, on the device (no
+    host sync); then `kernel` and `kernel`_claimed of csrc/`source`.cu launch with args and that
+    choice, and the one not chosen returns at once."""
+    order = torch.empty(2, dtype=torch.int32, device=offs.device)  # the choice, the claims' counter
+    i32 = native.int32
+    native.launch_driver(native.kernel("grouped_mm", "wgrad_tile_order", dev), 1, 256, ORDER_SCRATCH_BYTES,
+                         offs, i32(M), i32(G), i32(tiles_per_group), i32(rows_per_step), i32(grid), order)
+    for function in (kernel, kernel + "_claimed"):
+        native.launch_driver(native.kernel(source, function, dev), grid, _THREADS, shared_bytes, *args, order)
 
 
 def _map(t: torch.Tensor) -> native.TensorMap:
@@ -116,15 +132,16 @@ def grouped_mm_wgrad(a, grad_out, offs, out, accumulate: bool, accumulate_mask,
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
     cfg = grouped_mm_wgrad_sm90_config()
     num_stages = min(num_stages or cfg.num_stages, _MAX_STAGES)
-    num_tiles = G * -(-P // 128) * -(-Q // 256)
+    tiles_per_group = -(-P // 128) * -(-Q // 256)
+    offs = offs.contiguous()
     i32, i64 = native.int32, native.int64
-    native.launch_driver(
-        native.kernel("grouped_mm", _WGRAD_KERNELS[a.dtype], dev),
-        min(_num_sms(dev), num_tiles), _THREADS, _shared_bytes(num_stages),
+    launch_wgrad(
+        "grouped_mm", _WGRAD_KERNELS[a.dtype], min(_num_sms(dev), G * tiles_per_group),
+        _shared_bytes(num_stages), offs, M, G, tiles_per_group, 64, dev,
         _map(a), _map(grad_out), _out_map(out),
         i32(_OUT_KINDS[out.dtype]), i32(int(accumulate)),
         accumulate_mask if accumulate_mask is not None else i64(0),  # null: every group adds
-        offs.contiguous(), i32(M), i32(P), i32(Q), i32(G), i32(num_stages),
+        offs, i32(M), i32(P), i32(Q), i32(G), i32(num_stages),
     )
 
 

@@ -17,7 +17,7 @@ from compiled_moe.native import tma_aligned as aligned  # noqa: F401 (the ops' l
 from compiled_moe.kernels.configs import (fp8_blockwise_sm90_config,
                                           fp8_wgrad_sm90_config, size_hint)
 from compiled_moe.kernels.grouped_mm import _num_sms
-from compiled_moe.kernels.grouped_mm_sm90 import bias_in_pairs
+from compiled_moe.kernels.grouped_mm_sm90 import TILE_QUEUE_BYTES, bias_in_pairs, launch_wgrad
 
 _THREADS = 384
 MAX_GROUPS = 2048  # the tile list lives in shared memory beside the ring
@@ -125,9 +125,9 @@ def wgrad_supported(a_t, d_t, recipe: str, num_groups: int) -> bool:
 
 def _wgrad_shared_bytes(num_groups: int, num_stages: int, out_dtype: torch.dtype) -> int:
     # ring + the two consumers' 64 x 128 output staging + 1024 alignment slack + 3 x 8
-    # mbarriers + 256 scales per stage + 32 scan ints + 3 ints per group
+    # mbarriers + the tile queue + 256 scales per stage + 32 scan ints + 3 ints per group
     staging = 2 * 64 * 128 * out_dtype.itemsize
-    return (num_stages * (_STAGE_BYTES + 256 * 4) + staging + 1024 + 3 * 8 * 8
+    return (num_stages * (_STAGE_BYTES + 256 * 4) + staging + 1024 + 3 * 8 * 8 + TILE_QUEUE_BYTES
             + 4 * (32 + 3 * num_groups))
 
 
@@ -156,13 +156,14 @@ def scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe: str, out,
                                 (128 // es, 64, 1), _OUT_MAP_TYPES[out.dtype])
     cfg = fp8_wgrad_sm90_config(size_hint(M) // G)
     num_stages = wgrad_stages(num_stages or cfg.num_stages, G, out.dtype)
-    num_tiles = G * -(-P // 128) * -(-Q // 128)
-    native.launch_driver(
-        native.kernel("fp8_grouped_mm", "fp8_grouped_mm_wgrad", dev),
-        min(_num_sms(dev), num_tiles), _THREADS, _wgrad_shared_bytes(G, num_stages, out.dtype),
+    tiles_per_group = -(-P // 128) * -(-Q // 128)
+    offs = offs.contiguous()
+    launch_wgrad(
+        "fp8_grouped_mm", "fp8_grouped_mm_wgrad", min(_num_sms(dev), G * tiles_per_group),
+        _wgrad_shared_bytes(G, num_stages, out.dtype), offs, M, G, tiles_per_group, 128, dev,
         a_map, d_map, out_map,
         a_scale, i64(a_scale.stride(0)), i32(a_scale.stride(1)),
         d_scale, i64(d_scale.stride(0)), i32(d_scale.stride(1)),
-        i32(_OUT_KINDS[out.dtype]), offs.contiguous(), i32(M), i32(P), i32(Q), i32(G), i32(num_stages),
+        i32(_OUT_KINDS[out.dtype]), offs, i32(M), i32(P), i32(Q), i32(G), i32(num_stages),
         i32(int(recipe == "fp8_rowwise")),
     )
