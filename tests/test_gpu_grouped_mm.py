@@ -14,13 +14,14 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 
-def skewed_offsets(num_rows, num_groups, seed, empty_groups=0, tail=0):
-    """Group sizes drawn from softmax(N(0,1)) expert probabilities (the benchmark's skew)."""
+def skewed_offsets(num_rows, num_groups, seed, empty_groups=0, tail=0, multiple=1):
+    """Group sizes drawn from softmax(N(0,1)) expert probabilities (the benchmark's skew), in
+    multiples of `multiple` rows."""
     gen = torch.Generator().manual_seed(seed)
     probs = torch.softmax(torch.randn(num_groups, generator=gen), 0)
     probs[:empty_groups] = 0
-    draws = torch.multinomial(probs, num_rows - tail, replacement=True, generator=gen)
-    counts = torch.bincount(draws, minlength=num_groups)
+    draws = torch.multinomial(probs, (num_rows - tail) // multiple, replacement=True, generator=gen)
+    counts = torch.bincount(draws, minlength=num_groups) * multiple
     return torch.cumsum(counts, 0).to(torch.int32).to(DEV)
 
 
@@ -465,15 +466,8 @@ def test_wgrad_tile_order():
     ]:
         if seed < 0:
             offs = torch.arange(1, G + 1, dtype=torch.int32, device=DEV) * (M // G)
-        elif rows_per_step == 128:
-            gen = torch.Generator().manual_seed(seed)
-            probs = torch.softmax(torch.randn(G, generator=gen), 0)
-            probs[:1] = 0
-            counts = torch.bincount(torch.multinomial(probs, M // 16, replacement=True, generator=gen),
-                                    minlength=G) * 16
-            offs = torch.cumsum(counts, 0).to(torch.int32).to(DEV)
-        else:
-            offs = skewed_offsets(M, G, seed=seed, empty_groups=1)
+        else:  # (the FP8 kernel's groups: multiples of 16 rows, as test_gpu_fp8's)
+            offs = skewed_offsets(M, G, seed=seed, empty_groups=1, multiple=16 if rows_per_step == 128 else 1)
         counts = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
         order = torch.full((2,), -1, dtype=torch.int32, device=DEV)
         native.launch_driver(kernel, 1, 256, ORDER_SCRATCH_BYTES, offs, native.int32(M), native.int32(G),

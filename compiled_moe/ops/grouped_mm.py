@@ -25,12 +25,12 @@ from torch import Tensor
 from compiled_moe import reference
 from compiled_moe.ops._dispatch import (
     check_bias,
-    is_transposed_weight,
     check_offs,
     check_out_dtype,
     check_same_device,
     check_same_dtype,
     check_tensor,
+    is_transposed_weight,
     kernel_op,
     on_tensor_device,
     use_kernel,
