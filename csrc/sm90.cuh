@@ -221,22 +221,34 @@ template <> struct IsNull<decltype(nullptr)> { static constexpr bool value = tru
 
 // Column groups j of the fragment, plus bias(j) = the bias pair of its columns (bias: a callable,
 // or nullptr for none: adding zeros costs an FADD per element, x + 0 not being x for x = -0),
-// as 2-byte values: box j / 8 holds columns 64 (j / 8) ...
+// as 2-byte values: box j / 8 holds columns 64 (j / 8) ... Two column groups (four 8 x 8
+// matrices: rows +0 and +8 of groups j and j + 1) go out in one stmatrix, whose four 8-lane
+// quarters give the rows' addresses; the fragment is stmatrix's register layout.
 template <int J, typename Bias>
 __device__ __forceinline__ void stage_fragment_16bit(unsigned char* staging, const float* acc, int frag_row,
                                                      int frag_col, int out_kind, Bias&& bias) {
+  static_assert(J % 2 == 0, "column groups go in pairs");
+  const int lane = (frag_row & 7) * 4 + frag_col / 2;
+  const int row = (frag_row & ~15) + (lane & 8) + (lane & 7);  // this lane's address: matrix lane / 8
+  const u32 base = smem_addr(staging) + row * 128;
+  const int second = lane >> 4, swizzle = lane & 7;  // column group j + second; row % 8
 #pragma unroll
-  for (int j = 0; j < J; ++j) {
-    float2 b = make_float2(0.f, 0.f);
-    if constexpr (!IsNull<Bias>::value) b = bias(j);
+  for (int j = 0; j < J; j += 2) {
+    u32 r[4];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = frag_row + 8 * r;
-      const u32 addr = smem_addr(staging) + row * 128 + (j / 8) * STAGING_BOX_BYTES + (((j % 8) ^ (row & 7)) * 16) + frag_col * 2;
-      float lo = acc[4 * j + 2 * r], hi = acc[4 * j + 2 * r + 1];
-      if constexpr (!IsNull<Bias>::value) { lo += b.x; hi += b.y; }
-      asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(pack_half2(out_kind, lo, hi)) : "memory");
+    for (int h = 0; h < 2; ++h) {
+      float2 b = make_float2(0.f, 0.f);
+      if constexpr (!IsNull<Bias>::value) b = bias(j + h);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float lo = acc[4 * (j + h) + 2 * e], hi = acc[4 * (j + h) + 2 * e + 1];
+        if constexpr (!IsNull<Bias>::value) { lo += b.x; hi += b.y; }
+        r[2 * h + e] = pack_half2(out_kind, lo, hi);
+      }
     }
+    const u32 addr = base + (j / 8) * STAGING_BOX_BYTES + ((((j % 8) + second) ^ swizzle) * 16);
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                 ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
   }
 }
 
