@@ -281,9 +281,9 @@ WGRAD_KERNEL(grouped_mm_wgrad_f16_claimed, true, true)
 
 // Both weight gradients' tile order (TileQueue, sm90.cuh): one block, launched before them.
 extern "C" __global__ void __launch_bounds__(256, 1) wgrad_tile_order(
-    const int* __restrict__ offs, int M, int G, int tiles_per_group, int rows_per_step, int grid,
-    int* __restrict__ order) {
-  wgrad_tile_order_body(offs, M, G, tiles_per_group, rows_per_step, grid, order);
+    const int* __restrict__ offs, int M, int G, int tiles_per_group, int rows_per_step, int claim_steps,
+    int grid, int* __restrict__ order) {
+  wgrad_tile_order_body(offs, M, G, tiles_per_group, rows_per_step, claim_steps, grid, order);
 }
 
 // ---------------------------------------------------------------------------------------------

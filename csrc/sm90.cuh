@@ -385,10 +385,14 @@ __device__ __forceinline__ int band_tile(int t, int num_p, int num_q, int band, 
 // shapes (2-4% on the other models', 1% or less under uniform routing); claimed at run time,
 // 1-2%. But claiming in the kernel that runs the fixed order cost the fixed order 7-10% on the
 // H200 (not its instructions' time; RESULTS.md), so each weight gradient has two instantiations:
-// wgrad_tile_order decides from offs (fixed_order_unbalanced) and both launch after it, and
+// wgrad_tile_order decides from offs (claims_tiles) and both launch after it, and
 // the one not chosen returns at once. Measured against the fixed order (same launches): Qwen3
 // skewed fc2 1.06-1.09x bf16 and FP8, bf16 fc1 1.00-1.02x, the other shapes level (they keep
-// the fixed order); the two extra launches cost about 5 us a call.
+// the fixed order); the two extra launches cost about 5 us a call. The FP8 weight gradient also
+// claims where its tiles are long (configs.FP8_WGRAD_CLAIM_STEPS; DeepSeek-V3 and Mixtral
+// 1.00-1.07x): handed out by one counter, the tiles that run at once stay neighbours in the
+// order, where CTAs walking the fixed order drift apart over hundreds of rounds (a reading, not
+// measured).
 //
 // Claimed at run time, each CTA's first tile is blockIdx.x and each next one comes from a
 // global counter (zeroed by wgrad_tile_order), claimed as the producer starts the tile before it
@@ -438,17 +442,19 @@ struct TileQueue {
   }
 };
 
-// Whether the fixed order over `grid` CTAs would leave the most loaded one more than
-// ORDER_PERCENT % past the mean, a tile costing its group's steps of rows_per_step rows plus one
-// for the epilogue (about a step's worth: RESULTS.md), groups holding tiles_per_group tiles each
-// in order. The loads come from a circular difference array over the CTAs (a group's tiles add
-// to runs of CTAs), O(G + grid). Group rows from offs as the kernels take them when offs is
-// valid (a corrupt offs can only change the choice of order). All threads of one block.
-// scratch: ORDER_SCRATCH long longs.
+// Whether a weight gradient claims its tiles at run time: where the fixed order over `grid` CTAs
+// would leave the most loaded one more than ORDER_PERCENT % past the mean, a tile costing its
+// group's steps of rows_per_step rows plus one for the epilogue (about a step's worth:
+// RESULTS.md), groups holding tiles_per_group tiles each in order; or, for a kernel that passes
+// claim_steps > 0, where the mean tile costs claim_steps + 1 or more (long tiles: the FP8 weight
+// gradient, RESULTS.md). The loads come from a circular difference array over the CTAs (a
+// group's tiles add to runs of CTAs), O(G + grid). Group rows from offs as the kernels take them
+// when offs is valid (a corrupt offs can only change the choice of order). All threads of one
+// block. scratch: ORDER_SCRATCH long longs.
 constexpr int ORDER_MAX_GRID = 256, ORDER_PERCENT = 6;
 constexpr int ORDER_SCRATCH = (ORDER_MAX_GRID + 2) / 2 + 2 * 32 + 1;  // runs (ints), 2 sums a warp, the answer
-__device__ bool fixed_order_unbalanced(const int* __restrict__ offs, int M, int G, int tiles_per_group,
-                                       int rows_per_step, int grid, long long* scratch) {
+__device__ bool claims_tiles(const int* __restrict__ offs, int M, int G, int tiles_per_group,
+                             int rows_per_step, int claim_steps, int grid, long long* scratch) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (grid > ORDER_MAX_GRID) return false;
   int* runs = (int*)scratch;  // [grid + 1]; a run's sum is at most the groups' steps
@@ -505,7 +511,8 @@ __device__ bool fixed_order_unbalanced(const int* __restrict__ offs, int M, int 
         all_common += warp_sums[2 * w];
         all_total += warp_sums[2 * w + 1];
       }
-      *answer = (most + all_common) * grid * 100 > all_total * (100 + ORDER_PERCENT);
+      const bool long_tiles = claim_steps > 0 && all_total >= (claim_steps + 1LL) * G * tiles_per_group;
+      *answer = long_tiles || (most + all_common) * grid * 100 > all_total * (100 + ORDER_PERCENT);
     }
   }
   __syncthreads();
@@ -516,10 +523,11 @@ __device__ bool fixed_order_unbalanced(const int* __restrict__ offs, int M, int 
 // order), order[1] = 0 (the claims' counter). One block; ORDER_SCRATCH long longs of dynamic
 // shared memory.
 __device__ __forceinline__ void wgrad_tile_order_body(const int* __restrict__ offs, int M, int G,
-                                                      int tiles_per_group, int rows_per_step, int grid,
-                                                      int* __restrict__ order) {
+                                                      int tiles_per_group, int rows_per_step, int claim_steps,
+                                                      int grid, int* __restrict__ order) {
   extern __shared__ long long order_scratch[];
-  const bool claimed = fixed_order_unbalanced(offs, M, G, tiles_per_group, rows_per_step, grid, order_scratch);
+  const bool claimed =
+      claims_tiles(offs, M, G, tiles_per_group, rows_per_step, claim_steps, grid, order_scratch);
   if (threadIdx.x == 0) {
     order[0] = claimed;
     order[1] = 0;

@@ -433,21 +433,25 @@ def test_cuda_ops_opcheck():
 
 # ----------------------------------- the weight gradients' tile order (TileQueue, csrc/sm90.cuh)
 
-def fixed_order_unbalanced(counts, tiles_per_group, rows_per_step, grid, percent=6):
+def claims_tiles(counts, tiles_per_group, rows_per_step, claim_steps, grid, percent=6):
     """The fixed order's loads summed tile by tile: CTA b takes tiles b, b + grid, ...; a tile
-    costs its group's steps plus one."""
+    costs its group's steps plus one. Claimed where the most loaded CTA is `percent` % past the
+    mean, or where the mean tile has claim_steps steps or more (claim_steps > 0)."""
     loads = [0] * grid
     for g, rows in enumerate(counts):
         for j in range(tiles_per_group):
             loads[(g * tiles_per_group + j) % grid] += -(-rows // rows_per_step) + 1
-    return max(loads) * grid * 100 > sum(loads) * (100 + percent)
+    long_tiles = claim_steps > 0 and sum(loads) >= (claim_steps + 1) * len(counts) * tiles_per_group
+    return long_tiles or max(loads) * grid * 100 > sum(loads) * (100 + percent)
 
 
 def test_wgrad_tile_order():
     """wgrad_tile_order (csrc/grouped_mm.cu) chooses tiles claimed at run time where the fixed
-    order would leave a CTA 6% past the mean (a circular difference array over the CTAs): its
-    choice against the loads summed tile by tile, and the claims' counter zeroed."""
+    order would leave a CTA 6% past the mean (a circular difference array over the CTAs), or
+    where tiles are long (claim_steps: the FP8 weight gradient's): its choice against the loads
+    summed tile by tile, and the claims' counter zeroed."""
     from compiled_moe import native
+    from compiled_moe.kernels.configs import FP8_WGRAD_CLAIM_STEPS
     from compiled_moe.kernels.grouped_mm_sm90 import ORDER_SCRATCH_BYTES
     kernel = native.kernel("grouped_mm", "wgrad_tile_order", torch.cuda.current_device())
     seen = set()
@@ -469,16 +473,17 @@ def test_wgrad_tile_order():
         else:  # (the FP8 kernel's groups: multiples of 16 rows, as test_gpu_fp8's)
             offs = skewed_offsets(M, G, seed=seed, empty_groups=1, multiple=16 if rows_per_step == 128 else 1)
         counts = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
-        order = torch.full((2,), -1, dtype=torch.int32, device=DEV)
-        native.launch_driver(kernel, 1, 256, ORDER_SCRATCH_BYTES, offs, native.int32(M), native.int32(G),
-                             native.int32(tiles_per_group), native.int32(rows_per_step), native.int32(grid),
-                             order)
-        want = fixed_order_unbalanced(counts, tiles_per_group, rows_per_step, grid)
-        assert order.tolist() == [int(want), 0], (M, G, seed, tiles_per_group, grid)
-        seen.add(want)
-        if seed == 8192:  # the tests' shapes do claim at run time
-            assert want
-    assert seen == {True, False}
+        for claim_steps in (0, 4, FP8_WGRAD_CLAIM_STEPS):
+            order = torch.full((2,), -1, dtype=torch.int32, device=DEV)
+            native.launch_driver(kernel, 1, 256, ORDER_SCRATCH_BYTES, offs, native.int32(M), native.int32(G),
+                                 native.int32(tiles_per_group), native.int32(rows_per_step),
+                                 native.int32(claim_steps), native.int32(grid), order)
+            want = claims_tiles(counts, tiles_per_group, rows_per_step, claim_steps, grid)
+            assert order.tolist() == [int(want), 0], (M, G, seed, tiles_per_group, claim_steps, grid)
+            seen.add((claim_steps > 0, want))
+            if seed == 8192:  # the tests' shapes do claim at run time
+                assert want
+    assert seen == {(False, True), (False, False), (True, True), (True, False)}
 
 
 def test_cuda_wgrad_claimed_tiles_deterministic():

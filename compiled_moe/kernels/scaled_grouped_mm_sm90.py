@@ -14,7 +14,7 @@ import torch
 from compiled_moe import native
 from compiled_moe.native import TMA_ALIGN as _ALIGN, hopper
 from compiled_moe.native import tma_aligned as aligned  # noqa: F401 (the ops' launch check)
-from compiled_moe.kernels.configs import (fp8_blockwise_sm90_config,
+from compiled_moe.kernels.configs import (FP8_WGRAD_CLAIM_STEPS, fp8_blockwise_sm90_config,
                                           fp8_wgrad_sm90_config, size_hint)
 from compiled_moe.kernels.grouped_mm import _num_sms
 from compiled_moe.kernels.grouped_mm_sm90 import TILE_QUEUE_BYTES, bias_in_pairs, launch_wgrad
@@ -160,7 +160,8 @@ def scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe: str, out,
     offs = offs.contiguous()
     launch_wgrad(
         "fp8_grouped_mm", "fp8_grouped_mm_wgrad", min(_num_sms(dev), G * tiles_per_group),
-        _wgrad_shared_bytes(G, num_stages, out.dtype), offs, M, G, tiles_per_group, 128, dev,
+        _wgrad_shared_bytes(G, num_stages, out.dtype), offs, M, G, tiles_per_group, 128,
+        FP8_WGRAD_CLAIM_STEPS, dev,
         a_map, d_map, out_map,
         a_scale, i64(a_scale.stride(0)), i32(a_scale.stride(1)),
         d_scale, i64(d_scale.stride(0)), i32(d_scale.stride(1)),
