@@ -514,8 +514,8 @@ def grouped_mm_sm90_split_k(rows: int, n: int, k: int, groups: int) -> int:
 
 # The FP8 weight gradient claims its tiles at run time (csrc/sm90.cuh, wgrad_tile_order) where
 # its tiles average this many 128-row steps or more, balanced or not. H200, claimed against the
-# fixed order, paired medians of 4 rounds (benchmarks/ab_csrc.py): DeepSeek-V3 EP8 (1024 rows
-# a group: 8 steps) 1.02-1.05x, Mixtral (2048: 16 steps) fc1 1.03-1.04x, fc2 level; Qwen3 (256
+# fixed order, paired medians of 4 rounds (benchmarks/ab_csrc.py), two runs: DeepSeek-V3 EP8
+# (1024 rows a group: 8 steps) 1.00-1.07x, Mixtral (2048: 16 steps) 1.00-1.04x; Qwen3 (256
 # rows) 0.96x and GPT-OSS (128) 0.99-1.02x, which keep the fixed order. The bf16 weight
 # gradient claimed lost at every length (0.93-0.97x), so it claims only where unbalanced.
 FP8_WGRAD_CLAIM_STEPS = 8
