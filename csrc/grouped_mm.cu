@@ -24,8 +24,8 @@
 // tiles t = blockIdx.x, + gridDim.x, ... over (group, P tile, Q tile), or (the _claimed
 // kernels) tiles claimed at run time where that order is unbalanced (TileQueue, sm90.cuh);
 // every group has the same number of tiles, so a tile's place needs no table. A group's last
-// 64-row step may run past its end: the consumers zero those rows in shared memory before
-// their wgmma reads them (the next group's rows, or anything past offs[-1]).
+// 64-row step may run past its end: its loads go through the group's copies of the maps, whose
+// rows end there (write_group_maps, sm90.cuh), so TMA fills those rows with zeros.
 
 #include "sm90.cuh"
 
@@ -87,40 +87,17 @@ __device__ __forceinline__ void wgmma_m64n256k16(float* d, u64 desc_a, u64 desc_
   else WGMMA_M64N256K16("bf16", "0", "0");
 }
 
-// st.shared of 16 zero bytes where pred holds (predicated, not branched: see mbar_arrive_if).
-__device__ __forceinline__ void zero16_if(u32 addr, bool pred) {
-  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %1, 0;\n @p st.shared.v4.b32 [%0], {%2, %2, %2, %2};\n}\n"
-               ::"r"(addr), "r"((int)pred), "r"(0) : "memory");
-}
-
-// A group's last step may hold rows past the group's end (the next group's, or anything past
-// offs[-1]): zero rows >= valid of this consumer's a box and of all b boxes. Each consumer
-// zeroes all of b, so neither waits for the other (the other's writes are the same zeros);
-// the fence makes the stores visible to wgmma's reads, the barrier to the whole warpgroup.
-__device__ __forceinline__ void cut_rows(unsigned char* stage, int consumer, int tid, int valid) {
-  const int row = tid >> 1, half = tid & 1;  // 2 threads per 128-byte row of a box
-  const bool cut = row >= valid;
-  const u32 a_row = smem_addr(stage + consumer * BOX_BYTES) + row * 128 + half * 64;
-  const u32 b_row = smem_addr(stage + A_BOXES * BOX_BYTES) + row * 128 + half * 64;
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    zero16_if(a_row + 16 * c, cut);
-#pragma unroll
-    for (int box = 0; box < B_BOXES; ++box) zero16_if(b_row + box * BOX_BYTES + 16 * c, cut);
-  }
-  fence_async_shared();
-  named_barrier(1 + consumer, 128);
-}
-
 __device__ __forceinline__ int uniform(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 
 // The consumers' k loop over `steps` stages of the ring: wait for a stage, issue(step, stage)
 // its wgmma, and give the previous stage back once its wgmma are done, so that one step stays
-// in flight while the next is issued. Returns with every wgmma done.
-template <typename Issue>
+// in flight while the next is issued. Returns with every wgmma done. UNROLL: the loop's unroll
+// factor (0: the compiler's choice).
+template <int UNROLL = 0, typename Issue>
 __device__ __forceinline__ void consume_steps(int steps, int& stage, u32& phase, int num_stages, u64* full,
                                               u64* empty, unsigned char* smem, int lane, Issue&& issue) {
   int prev_stage = 0;
+#pragma unroll UNROLL
   for (int i = 0; i < steps; ++i) {
     mbar_wait(&full[stage], phase);
     issue(i, smem + stage * STAGE_BYTES);
@@ -140,7 +117,7 @@ template <bool F16, bool CLAIMED>
 __device__ __forceinline__ void grouped_mm_wgrad(
     const TensorMap& a_map, const TensorMap& b_map, const TensorMap& out_map, int out_kind,
     int accumulate, const unsigned char* __restrict__ mask, const int* __restrict__ offs, int M, int P,
-    int Q, int G, int num_stages, int* __restrict__ order) {
+    int Q, int G, int num_stages, const TensorMap* __restrict__ group_maps, int* __restrict__ order) {
   if (order[0] != (int)CLAIMED) return;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // 1024-byte alignment of every box: the 128-byte swizzle pattern repeats every 1024 bytes.
@@ -172,23 +149,39 @@ __device__ __forceinline__ void grouped_mm_wgrad(
       int stage = 0;
       u32 phase = 0;
       GroupRows group_rows;  // tiles go in group order
-      for (int t = blockIdx.x, next, k = 0; t < num_tiles; t = next) {
+      for (int t = blockIdx.x, next, k = 0, acquired = -1; t < num_tiles; t = next) {
         next = CLAIMED ? TileQueue::claim(order + 1) : t + (int)gridDim.x;
         int g, p0, q0, start, end;
         tile_of(t, g, p0, q0);
         group_rows.of(offs, M, g, start, end);
+        // A group's last step, where partial, loads through the group's maps (write_group_maps);
+        // every other step through the parameter maps, as before, so that groups that end on
+        // whole steps (uniform routing) take no map from global memory and acquire none.
+        const TensorMap* a_rows = group_maps + 2 * g;
+        const TensorMap* b_rows = a_rows + 1;
         const int a_boxes = min(A_BOXES, (P - p0 + CHUNK - 1) / CHUNK);
         const int b_boxes = min(B_BOXES, (Q - q0 + CHUNK - 1) / CHUNK);
-        for (int row = start; row < end; row += BLOCK_R) {
+        // (The loads of a step, through the given maps; the full steps, then a partial last one.)
+        auto load_step = [&](int row, const TensorMap* a_src, const TensorMap* b_src) {
           mbar_wait(&empty[stage], phase ^ 1);
           unsigned char* dst = smem + stage * STAGE_BYTES;
           mbar_expect_tx(&full[stage], (a_boxes + b_boxes) * BOX_BYTES);
           for (int j = 0; j < a_boxes; ++j)
-            tma_load_2d(dst + j * BOX_BYTES, &a_map, &full[stage], (p0 + j * CHUNK) * 2, row);
+            tma_load_2d(dst + j * BOX_BYTES, a_src, &full[stage], (p0 + j * CHUNK) * 2, row);
           for (int j = 0; j < b_boxes; ++j)
-            tma_load_2d(dst + (A_BOXES + j) * BOX_BYTES, &b_map, &full[stage], (q0 + j * CHUNK) * 2, row);
+            tma_load_2d(dst + (A_BOXES + j) * BOX_BYTES, b_src, &full[stage], (q0 + j * CHUNK) * 2, row);
           if (++stage == num_stages) { stage = 0; phase ^= 1; }
           if (CLAIMED && row == start) tiles.push(k++, next);  // after the tile's first load
+        };
+        int row = start;
+        for (; row + BLOCK_R <= end; row += BLOCK_R) load_step(row, &a_map, &b_map);
+        if (row < end) {
+          if (g != acquired) {
+            map_acquire(a_rows);
+            map_acquire(b_rows);
+            acquired = g;
+          }
+          load_step(row, a_rows, b_rows);
         }
         if (CLAIMED && start == end) tiles.push(k++, next);  // (an empty group's tile: no loads)
       }
@@ -218,9 +211,9 @@ __device__ __forceinline__ void grouped_mm_wgrad(
     const int steps = (rows + BLOCK_R - 1) / BLOCK_R;
 #pragma unroll
     for (int i = 0; i < FRAG; ++i) acc[i] = 0.f;
-    consume_steps(steps, stage, phase, num_stages, full, empty, smem, lane, [&](int i, unsigned char* st) {
-      const int valid = rows - i * BLOCK_R;
-      if (valid < BLOCK_R) cut_rows(st, consumer, tid, valid);
+    // Rolled: ptxas unrolls the branch-free loop 3 times otherwise, which ran the weight gradient
+    // at 0.94-0.99x on uniform routing (H200; the loop had been rolled while it held a branch).
+    consume_steps<1>(steps, stage, phase, num_stages, full, empty, smem, lane, [&](int, unsigned char* st) {
       const unsigned char* a_box = st + consumer * BOX_BYTES;
       const unsigned char* b_box = st + A_BOXES * BOX_BYTES;
       wgmma_fence();
@@ -269,9 +262,11 @@ __device__ __forceinline__ void grouped_mm_wgrad(
       const __grid_constant__ TensorMap b_map,   /* b (M, Q): bytes {2Q, M}, box {128, 64} */                 \
       const __grid_constant__ TensorMap out_map, /* out (G, P, Q): {Q, P, G}, box {128 bytes, 64, 1} */       \
       int out_kind, int accumulate, const unsigned char* __restrict__ mask, const int* __restrict__ offs,     \
-      int M, int P, int Q, int G, int num_stages, int* __restrict__ order /* wgrad_tile_order's */) {         \
+      int M, int P, int Q, int G, int num_stages,                                                             \
+      const TensorMap* __restrict__ group_maps, /* wgrad_tile_order's: a_map, b_map a group (G x 2) */         \
+      int* __restrict__ order /* wgrad_tile_order's */) {                                                     \
     grouped_mm_wgrad<F16, CLAIMED>(a_map, b_map, out_map, out_kind, accumulate, mask, offs, M, P, Q, G,       \
-                                   num_stages, order);                                                        \
+                                   num_stages, group_maps, order);                                            \
   }
 
 WGRAD_KERNEL(grouped_mm_wgrad_bf16, false, false)
@@ -279,11 +274,14 @@ WGRAD_KERNEL(grouped_mm_wgrad_f16, true, false)
 WGRAD_KERNEL(grouped_mm_wgrad_bf16_claimed, false, true)
 WGRAD_KERNEL(grouped_mm_wgrad_f16_claimed, true, true)
 
-// Both weight gradients' tile order (TileQueue, sm90.cuh): one block, launched before them.
+// Both weight gradients' tile order (TileQueue, sm90.cuh), and where group_maps is not null the
+// bf16/fp16 one's per-group maps (write_group_maps): one block, launched before them.
 extern "C" __global__ void __launch_bounds__(256, 1) wgrad_tile_order(
     const int* __restrict__ offs, int M, int G, int tiles_per_group, int rows_per_step, int claim_steps,
-    int grid, int* __restrict__ order) {
-  wgrad_tile_order_body(offs, M, G, tiles_per_group, rows_per_step, claim_steps, grid, order);
+    int grid, int* __restrict__ order, const __grid_constant__ TensorMap a_map,
+    const __grid_constant__ TensorMap b_map, TensorMap* __restrict__ group_maps) {
+  wgrad_tile_order_body(offs, M, G, tiles_per_group, rows_per_step, claim_steps, grid, order, a_map, b_map,
+                        group_maps);
 }
 
 // ---------------------------------------------------------------------------------------------

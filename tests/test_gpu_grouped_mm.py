@@ -452,8 +452,9 @@ def test_wgrad_tile_order():
     summed tile by tile, and the claims' counter zeroed."""
     from compiled_moe import native
     from compiled_moe.kernels.configs import FP8_WGRAD_CLAIM_STEPS
-    from compiled_moe.kernels.grouped_mm_sm90 import ORDER_SCRATCH_BYTES
+    from compiled_moe.kernels.grouped_mm_sm90 import ORDER_SCRATCH_BYTES, _map
     kernel = native.kernel("grouped_mm", "wgrad_tile_order", torch.cuda.current_device())
+    maps = _map(torch.empty(64, 64, device=DEV, dtype=torch.bfloat16))  # unread: no group maps
     seen = set()
     for M, G, seed, tiles_per_group, rows_per_step, grid in [
         (32768, 128, 0, 48, 64, 132),     # Qwen3 fc2's bf16 weight gradient, skewed
@@ -477,7 +478,8 @@ def test_wgrad_tile_order():
             order = torch.full((2,), -1, dtype=torch.int32, device=DEV)
             native.launch_driver(kernel, 1, 256, ORDER_SCRATCH_BYTES, offs, native.int32(M), native.int32(G),
                                  native.int32(tiles_per_group), native.int32(rows_per_step),
-                                 native.int32(claim_steps), native.int32(grid), order)
+                                 native.int32(claim_steps), native.int32(grid), order, maps, maps,
+                                 native.int64(0))
             want = claims_tiles(counts, tiles_per_group, rows_per_step, claim_steps, grid)
             assert order.tolist() == [int(want), 0], (M, G, seed, tiles_per_group, claim_steps, grid)
             seen.add((claim_steps > 0, want))
