@@ -7,6 +7,7 @@ variant's; `torch._grouped_mm` is timed beside the bf16 ones.
     python benchmarks/ab_variants.py fp8-wgrad 4 3 5               # stages
     python benchmarks/ab_variants.py bf16-forward 3,0 3,1          # stages,skip_past_rows
     python benchmarks/ab_variants.py bf16-dgrad 3,0 3,1 --models Qwen3 --tokens 8192
+    python benchmarks/ab_variants.py bf16-wgrad 3 2                     # stages
     python benchmarks/ab_variants.py fp8-forward 1,5 2,5 --serving --models Mixtral
 
 --serving: the forward passes at bench_decode's serving shapes instead (T = 1, 8, 32, 128, 512,
@@ -31,7 +32,7 @@ from common import MODELS, gmean, graph_of, interleaved, offsets  # noqa: E402
 import compiled_moe as cm  # noqa: E402
 from compiled_moe.kernels import grouped_mm_sm90, scaled_grouped_mm_sm90 as fp8_sm90  # noqa: E402
 
-PASSES = ("fp8-forward", "fp8-wgrad", "bf16-forward", "bf16-dgrad")
+PASSES = ("fp8-forward", "fp8-wgrad", "bf16-forward", "bf16-dgrad", "bf16-wgrad")
 TORCH = "torch._grouped_mm"
 
 
@@ -65,6 +66,13 @@ def case(pas, variants, M0, K, N, G, routing, inputs=None):
         fns = {v: (lambda v=v: fp8_sm90.scaled_grouped_mm_wgrad(xq[2], dq[2], xq[3], dq[3], offs,
                                                                 "fp8_blockwise", outs[v], num_stages=v[0]))
                for v in variants}
+    elif pas == "bf16-wgrad":  # dy_g^T @ x_g, the weight's (G, N, K) gradient (bench_grouped_mm's)
+        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        outs = {v: torch.empty(G, N, K, device="cuda", dtype=torch.bfloat16) for v in variants}
+        fns = {v: (lambda v=v: grouped_mm_sm90.grouped_mm_wgrad(dy, x, offs, outs[v], False, None,
+                                                                num_stages=v[0]))
+               for v in variants}
+        fns[TORCH] = lambda: torch._grouped_mm(dy.mT, x, offs)
     else:  # bf16: forward x @ w^T (K-major weight), dgrad dy @ w (N-major)
         a, b, cols = (x, w.mT, N) if pas == "bf16-forward" else (
             torch.randn(M, N, device="cuda", dtype=torch.bfloat16), w, K)
