@@ -11,6 +11,10 @@ model shape x {uniform, skewed} x {fc1, fc2};
 `torch._grouped_mm` is timed beside the bf16 ones so that the ratios to it can be read off the
 same run.
 
+The other build's kernels must take the arguments the package's launchers pass now (for
+instance, the bf16 weight gradient takes its per-group tensor maps since 2026-11-26: an older
+build's outputs then differ and the script stops).
+
     python benchmarks/ab_csrc.py OLD_DIR [--rounds 4] [--json out.json]
         [--passes forward dgrad wgrad "fp8 forward" "fp8 wgrad"] [--models Qwen3 ...] [--tokens 8192]
 """
