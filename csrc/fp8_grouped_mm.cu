@@ -396,38 +396,13 @@ FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm_x2_bias, 2, true, __cluster_dims__
 // warp, two consumer warpgroups of 64 rows) walking (group, P tile, Q tile) tiles (claimed at
 // run time in fp8_grouped_mm_wgrad_claimed, where the fixed order is unbalanced: TileQueue,
 // sm90.cuh); the producer warpgroup's other three warps stage each chunk's scales (per row of
-// a_t and of d_t) and cut the chunk that passes its group's end in shared memory; the bf16
-// weight gradient's TMA-store epilogue (the tile leaves under the next tile's wgmma).
-// Groups must start at multiples of 16 rows (TMA along the rows); see the test on offs below.
+// a_t and of d_t); a group's chunk that passes its end loads through the group's copies of the
+// maps, which end there (write_group_maps, sm90.cuh), so TMA fills the columns past it with
+// zeros; the bf16 weight gradient's TMA-store epilogue (the tile leaves under the next tile's
+// wgmma). Groups must start at multiples of 16 rows (TMA along the rows); see the test on offs
+// below.
 
 constexpr int WGRAD_BAND_P = 8;  // tile order: see band_tile (sm90.cuh)
-
-// Where `cut`, zero the bytes of columns >= valid (0 < valid < 128) in row `row` of a 128 x
-// 128-byte tile stored with the 128-byte swizzle (16-byte chunk c of row r sits at chunk
-// c ^ (r % 8)): whole chunks by stores of zeros, the chunk the end falls inside (only when the
-// group's end is not a multiple of 16 rows) by a masked read-modify-write. Predicated, not
-// branched: it runs while a wgmma is in flight.
-__device__ __forceinline__ void cut_row(unsigned char* tile, int row, int valid, bool cut) {
-  const u32 base = smem_addr(tile + row * 128);
-#pragma unroll
-  for (int c = 0; c < 8; ++c) {
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %1, 0;\n @p st.shared.v4.b32 [%0], {0, 0, 0, 0};\n}\n"
-                 ::"r"(base + ((c ^ (row & 7)) * 16)), "r"((int)(cut && 16 * c >= valid)) : "memory");
-  }
-  // Word w of the partial chunk keeps its bytes below keep = (valid % 16) - 4w, clamped to
-  // [0, 4]: mask ~(~0 << 8 keep), where PTX clamps a shift of 32 to give 0.
-  const int c = valid / 16;
-  asm volatile(
-      "{\n .reg .pred p;\n .reg .b32 x, y, z, w, k, m;\n setp.ne.b32 p, %2, 0;\n"
-      " @p ld.shared.v4.b32 {x, y, z, w}, [%0];\n"
-      " min.s32 k, %1, 4;\n max.s32 k, k, 0;\n shl.b32 k, k, 3;\n shl.b32 m, -1, k;\n not.b32 m, m;\n and.b32 x, x, m;\n"
-      " sub.s32 k, %1, 4;\n min.s32 k, k, 4;\n max.s32 k, k, 0;\n shl.b32 k, k, 3;\n shl.b32 m, -1, k;\n not.b32 m, m;\n and.b32 y, y, m;\n"
-      " sub.s32 k, %1, 8;\n min.s32 k, k, 4;\n max.s32 k, k, 0;\n shl.b32 k, k, 3;\n shl.b32 m, -1, k;\n not.b32 m, m;\n and.b32 z, z, m;\n"
-      " sub.s32 k, %1, 12;\n min.s32 k, k, 4;\n max.s32 k, k, 0;\n shl.b32 k, k, 3;\n shl.b32 m, -1, k;\n not.b32 m, m;\n and.b32 w, w, m;\n"
-      " @p st.shared.v4.b32 [%0], {x, y, z, w};\n}\n"
-      ::"r"(base + (((c & 7) ^ (row & 7)) * 16)), "r"(valid % 16), "r"((int)(cut && valid % 16 != 0))
-      : "memory");
-}
 
 // One buffer of partial products: each chunk's wgmma is waited for, then promoted, while the
 // other consumer's wgmma fill the tensor cores. As the forward, two buffers (chunk s + 1's
@@ -447,7 +422,7 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
     const float* __restrict__ a_scale, long long a_scale_stride_p, int a_scale_stride_s,
     const float* __restrict__ d_scale, long long d_scale_stride_q, int d_scale_stride_s,
     int out_kind, const int* __restrict__ offs, int M, int P, int Q, int G, int num_stages,
-    int scale_per_group, int* __restrict__ order) {
+    int scale_per_group, const TensorMap* __restrict__ group_maps, int* __restrict__ order) {
   if (order[0] != (int)CLAIMED) return;
   extern __shared__ __align__(1024) unsigned char wgrad_smem_raw[];
   unsigned char* smem = (unsigned char*)(((u64)wgrad_smem_raw + 1023) & ~1023ull);
@@ -455,7 +430,7 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
   unsigned char* out_stage = smem + num_stages * STAGE_BYTES;
   u64* full = (u64*)(out_stage + 2 * staging_bytes);
   u64* empty = full + MAX_STAGES;
-  u64* ready = empty + MAX_STAGES;  // a stage's scales are in place and its rows cut
+  u64* ready = empty + MAX_STAGES;  // a stage's scales are in place
   const TileQueue tiles = TileQueue::at(ready + MAX_STAGES);  // CLAIMED only
   // [stage][256]: a_t's 128 rows, d_t's 128
   float* stage_scales = (float*)((unsigned char*)(ready + MAX_STAGES) + TileQueue::BYTES);
@@ -485,10 +460,9 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
   };
 
   if (warpgroup == 0) {
-    // Warp 0 loads the stages by TMA; warps 1-3 prepare them for the consumers: each 128-row
-    // chunk's 256 scales into the stage's slot of stage_scales, and the chunk that passes its
-    // group's end cut in shared memory once it has landed. Kept off the consumers, whose
-    // registers hold three fragments, and off their barriers.
+    // Warp 0 loads the stages by TMA; warps 1-3 put each 128-row chunk's 256 scales into the
+    // stage's slot of stage_scales. Kept off the consumers, whose registers hold three
+    // fragments, and off their barriers.
     // 64 registers, not the forward's 40: the helper warps' loop holds more (with 40/232 the
     // kernel spilled 168 bytes, with 64/216 128, and ran 1.02-1.23x faster on the H200;
     // 64 x 128 + 216 x 256 = 63488 of the 64512 registers the launch holds).
@@ -499,20 +473,33 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
       asm volatile("prefetch.tensormap [%0];" ::"l"((u64)&d_map) : "memory");
       int stage = 0;
       u32 phase = 0;
-      for (int t = blockIdx.x, next, k = 0; t < num_tiles; t = next) {
+      for (int t = blockIdx.x, next, k = 0, acquired = -1; t < num_tiles; t = next) {
         next = CLAIMED ? TileQueue::claim(order + 1) : t + (int)gridDim.x;
         int g, p0, q0;
         tile_of(t, g, p0, q0);
-        for (int m0 = groups.row_start[g]; m0 < groups.row_end[g]; m0 += BLOCK_K) {
+        const int start = groups.row_start[g], end = groups.row_end[g];
+        // A group's last chunk, where partial, through the group's maps; every other chunk
+        // through the parameter maps, so that groups ending on whole chunks acquire no map.
+        auto load_chunk = [&](int m0, const TensorMap* a_src, const TensorMap* d_src) {
           mbar_wait(&empty[stage], phase ^ 1);
           unsigned char* dst = smem + stage * STAGE_BYTES;
           mbar_expect_tx(&full[stage], STAGE_BYTES);
-          tma_load_2d(dst, &a_map, &full[stage], m0, p0);
-          tma_load_2d(dst + TILE_BYTES, &d_map, &full[stage], m0, q0);
+          tma_load_2d(dst, a_src, &full[stage], m0, p0);
+          tma_load_2d(dst + TILE_BYTES, d_src, &full[stage], m0, q0);
           if (++stage == num_stages) { stage = 0; phase ^= 1; }
-          if (CLAIMED && m0 == groups.row_start[g]) tiles.push(k++, next);  // after the tile's first load
+          if (CLAIMED && m0 == start) tiles.push(k++, next);  // after the tile's first load
+        };
+        int m0 = start;
+        for (; m0 + BLOCK_K <= end; m0 += BLOCK_K) load_chunk(m0, &a_map, &d_map);
+        if (m0 < end) {
+          if (g != acquired) {
+            map_acquire(group_maps + 2 * g);
+            map_acquire(group_maps + 2 * g + 1);
+            acquired = g;
+          }
+          load_chunk(m0, group_maps + 2 * g, group_maps + 2 * g + 1);
         }
-        if (CLAIMED && groups.row_start[g] == groups.row_end[g]) tiles.push(k++, next);  // (no loads)
+        if (CLAIMED && start == end) tiles.push(k++, next);  // (no loads)
       }
     } else if (warp > 0) {
       // Warps 1-3 take chunks in turn: a chunk's scale loads take a global load's latency,
@@ -546,13 +533,6 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
               sc[lane + 32 * i] = sa[i];
               sc[128 + lane + 32 * i] = sd[i];
             }
-            const int valid = rows - s * BLOCK_K;
-            if (valid < BLOCK_K) {
-              mbar_wait(&full[stage], phase);
-              unsigned char* tiles = smem + stage * STAGE_BYTES;
-              for (int r = lane; r < 256; r += 32) cut_row(tiles + (r / 128) * TILE_BYTES, r % 128, valid, true);
-              fence_async_shared();
-            }
             mbar_arrive_if(&ready[stage], true);
           }
           if (++stage == num_stages) { stage = 0; phase ^= 1; }
@@ -578,7 +558,7 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
   auto group_steps = [&](int g) {
     return __shfl_sync(0xffffffffu, (groups.row_end[g] - groups.row_start[g] + BLOCK_K - 1) / BLOCK_K, 0);
   };
-  // Waits for the next stage (landed, scales in place, cut) and issues its four wgmma into
+  // Waits for the next stage (landed, scales in place) and issues its four wgmma into
   // `part`, the buffer of partial products; returns the stage.
   auto issue = [&]() {
     mbar_wait(&full[stage], phase);
@@ -698,10 +678,12 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
       const float* __restrict__ a_scale, long long a_scale_stride_p, int a_scale_stride_s,                    \
       const float* __restrict__ d_scale, long long d_scale_stride_q, int d_scale_stride_s,                    \
       int out_kind, const int* __restrict__ offs, int M, int P, int Q, int G, int num_stages,                 \
-      int scale_per_group, int* __restrict__ order /* wgrad_tile_order's (csrc/grouped_mm.cu) */) {           \
+      int scale_per_group,                                                                                    \
+      const TensorMap* __restrict__ group_maps, /* wgrad_tile_order's: a_map, d_map a group (G x 2) */         \
+      int* __restrict__ order /* wgrad_tile_order's (csrc/grouped_mm.cu) */) {                                \
     fp8_grouped_mm_wgrad_body<CLAIMED>(a_map, d_map, out_map, a_scale, a_scale_stride_p, a_scale_stride_s,    \
                                        d_scale, d_scale_stride_q, d_scale_stride_s, out_kind, offs, M, P, Q,  \
-                                       G, num_stages, scale_per_group, order);                                \
+                                       G, num_stages, scale_per_group, group_maps, order);                    \
   }
 
 FP8_WGRAD_KERNEL(fp8_grouped_mm_wgrad, false)

@@ -274,14 +274,15 @@ WGRAD_KERNEL(grouped_mm_wgrad_f16, true, false)
 WGRAD_KERNEL(grouped_mm_wgrad_bf16_claimed, false, true)
 WGRAD_KERNEL(grouped_mm_wgrad_f16_claimed, true, true)
 
-// Both weight gradients' tile order (TileQueue, sm90.cuh), and where group_maps is not null the
-// bf16/fp16 one's per-group maps (write_group_maps): one block, launched before them.
+// Both weight gradients' tile order (TileQueue, sm90.cuh), and where group_maps is not null
+// their per-group maps (write_group_maps, rows in dimension row_dim): one block, launched
+// before them.
 extern "C" __global__ void __launch_bounds__(256, 1) wgrad_tile_order(
     const int* __restrict__ offs, int M, int G, int tiles_per_group, int rows_per_step, int claim_steps,
     int grid, int* __restrict__ order, const __grid_constant__ TensorMap a_map,
-    const __grid_constant__ TensorMap b_map, TensorMap* __restrict__ group_maps) {
+    const __grid_constant__ TensorMap b_map, TensorMap* __restrict__ group_maps, int row_dim) {
   wgrad_tile_order_body(offs, M, G, tiles_per_group, rows_per_step, claim_steps, grid, order, a_map, b_map,
-                        group_maps);
+                        group_maps, row_dim);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -519,16 +519,18 @@ __device__ bool claims_tiles(const int* __restrict__ offs, int M, int G, int til
   return *answer;
 }
 
-// Group rows by TMA: group_maps[2g] and [2g + 1] are copies of a_map and b_map (row-major
-// operands: dimension 1 counts rows) whose rows end where group g's rows end, so that TMA
-// fills a group's last step past its end with zeros, as it does past a tensor's end. That
-// step then needs no zeroing in shared memory: before, each consumer zeroed its a rows and all
-// of b's in every group's last step, and the bf16 weight gradient ran 1.03-1.11x slower under
-// skewed routing (H200, same outputs; uniform routing, whose groups end on whole steps,
-// level). The end is offs[g] clamped to [0, M] (at least 1): where a corrupt offs
+// Group rows by TMA: group_maps[2g] and [2g + 1] are copies of a_map and b_map whose
+// dimension DIM, the one that counts the rows (tokens) the weight gradient reduces (1 for the
+// bf16/fp16 operands, row-major; 0 for FP8's columnwise data, token-major), ends where group
+// g's rows end, so that TMA fills a group's last step past its end with zeros, as it does past
+// a tensor's end. That step then needs no zeroing in shared memory: before, each consumer
+// zeroed its a rows and all of b's in every group's last step, and the bf16 weight gradient
+// ran 1.03-1.11x slower under skewed routing (H200, same outputs; uniform routing, whose
+// groups end on whole steps, level). The end is offs[g] clamped to [0, M] (at least 1): where a corrupt offs
 // makes it smaller than the group's start, the kernels' group is empty and reads no map.
 // Written in the generic proxy and released to the tensor-map proxy; a reader acquires each
 // map before its first use (map_acquire).
+template <int DIM>
 __device__ __forceinline__ void write_group_maps(const TensorMap& a_map, const TensorMap& b_map,
                                                  TensorMap* __restrict__ group_maps,
                                                  const int* __restrict__ offs, int M, int G) {
@@ -538,8 +540,8 @@ __device__ __forceinline__ void write_group_maps(const TensorMap& a_map, const T
     for (int m = 0; m < 2; ++m) {
       TensorMap* map = group_maps + 2 * g + m;
       *map = m == 0 ? a_map : b_map;
-      asm volatile("tensormap.replace.tile.global_dim.global.b1024.b32 [%0], 1, %1;"
-                   ::"l"((u64)map), "r"(end) : "memory");
+      asm volatile("tensormap.replace.tile.global_dim.global.b1024.b32 [%0], %1, %2;"
+                   ::"l"((u64)map), "n"(DIM), "r"(end) : "memory");
     }
   }
   asm volatile("fence.proxy.tensormap::generic.release.gpu;" ::: "memory");
@@ -550,14 +552,17 @@ __device__ __forceinline__ void map_acquire(const TensorMap* map) {
 }
 
 // order[0] = 1 where the weight gradient's tiles are to be claimed at run time (0: the fixed
-// order), order[1] = 0 (the claims' counter); where group_maps is not null, write_group_maps.
-// One block; ORDER_SCRATCH long longs of dynamic shared memory.
+// order), order[1] = 0 (the claims' counter); where group_maps is not null, write_group_maps
+// with the rows in dimension row_dim (0 or 1). One block; ORDER_SCRATCH long longs of dynamic
+// shared memory.
 __device__ __forceinline__ void wgrad_tile_order_body(const int* __restrict__ offs, int M, int G,
                                                       int tiles_per_group, int rows_per_step, int claim_steps,
                                                       int grid, int* __restrict__ order, const TensorMap& a_map,
-                                                      const TensorMap& b_map, TensorMap* __restrict__ group_maps) {
+                                                      const TensorMap& b_map, TensorMap* __restrict__ group_maps,
+                                                      int row_dim) {
   extern __shared__ long long order_scratch[];
-  if (group_maps != nullptr) write_group_maps(a_map, b_map, group_maps, offs, M, G);
+  if (group_maps != nullptr && row_dim == 0) write_group_maps<0>(a_map, b_map, group_maps, offs, M, G);
+  if (group_maps != nullptr && row_dim == 1) write_group_maps<1>(a_map, b_map, group_maps, offs, M, G);
   const bool claimed =
       claims_tiles(offs, M, G, tiles_per_group, rows_per_step, claim_steps, grid, order_scratch);
   if (threadIdx.x == 0) {

@@ -479,7 +479,7 @@ def test_wgrad_tile_order():
             native.launch_driver(kernel, 1, 256, ORDER_SCRATCH_BYTES, offs, native.int32(M), native.int32(G),
                                  native.int32(tiles_per_group), native.int32(rows_per_step),
                                  native.int32(claim_steps), native.int32(grid), order, maps, maps,
-                                 native.int64(0))
+                                 native.int64(0), native.int32(1))
             want = claims_tiles(counts, tiles_per_group, rows_per_step, claim_steps, grid)
             assert order.tolist() == [int(want), 0], (M, G, seed, tiles_per_group, claim_steps, grid)
             seen.add((claim_steps > 0, want))

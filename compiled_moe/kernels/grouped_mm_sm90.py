@@ -91,24 +91,23 @@ def _shared_bytes(num_stages: int, num_groups: int = 0) -> int:
 
 
 def launch_wgrad(source: str, kernel: str, grid: int, shared_bytes: int, offs, M: int, G: int,
-                 tiles_per_group: int, rows_per_step: int, claim_steps: int, dev: int, *args,
-                 group_maps: bool = False) -> None:
+                 tiles_per_group: int, rows_per_step: int, claim_steps: int, row_dim: int, dev: int,
+                 *args) -> None:
     """A weight gradient's two kernels (csrc/sm90.cuh, TileQueue): wgrad_tile_order chooses from
     offs between its tiles in the fixed order and tiles claimed at run time (where the fixed
     order is unbalanced, or where tiles average claim_steps steps or more; 0: never for that
-    reason), on the device (no host sync); then `kernel` and `kernel`_claimed of
-    csrc/`source`.cu launch with args and that choice, and the one not chosen returns at once.
-    args[0] and args[1] are the kernels' operand maps; with group_maps, wgrad_tile_order also
-    writes their per-group copies (write_group_maps), which the kernels take before the choice."""
+    reason), on the device (no host sync), and writes per-group copies of the operand maps
+    args[0] and args[1] whose dimension row_dim (the rows the gradient reduces) ends at each
+    group's end (write_group_maps); then `kernel` and `kernel`_claimed of csrc/`source`.cu launch
+    with args, those maps and that choice, and the one not chosen returns at once."""
     order = torch.empty(2, dtype=torch.int32, device=offs.device)  # the choice, the claims' counter
-    maps = torch.empty(G * 2 * 128, dtype=torch.uint8, device=offs.device) if group_maps else None
-    i32, i64 = native.int32, native.int64
+    maps = torch.empty(G * 2 * 128, dtype=torch.uint8, device=offs.device)
+    i32 = native.int32
     native.launch_driver(native.kernel("grouped_mm", "wgrad_tile_order", dev), 1, 256, ORDER_SCRATCH_BYTES,
                          offs, i32(M), i32(G), i32(tiles_per_group), i32(rows_per_step), i32(claim_steps),
-                         i32(grid), order, args[0], args[1], maps if group_maps else i64(0))
-    tail = (maps, order) if group_maps else (order,)
+                         i32(grid), order, args[0], args[1], maps, i32(row_dim))
     for function in (kernel, kernel + "_claimed"):
-        native.launch_driver(native.kernel(source, function, dev), grid, _THREADS, shared_bytes, *args, *tail)
+        native.launch_driver(native.kernel(source, function, dev), grid, _THREADS, shared_bytes, *args, maps, order)
 
 
 def _map(t: torch.Tensor) -> native.TensorMap:
@@ -144,11 +143,11 @@ def grouped_mm_wgrad(a, grad_out, offs, out, accumulate: bool, accumulate_mask,
     i32, i64 = native.int32, native.int64
     launch_wgrad(
         "grouped_mm", _WGRAD_KERNELS[a.dtype], min(_num_sms(dev), G * tiles_per_group),
-        _shared_bytes(num_stages), offs, M, G, tiles_per_group, 64, 0, dev,
+        _shared_bytes(num_stages), offs, M, G, tiles_per_group, 64, 0, 1, dev,
         _map(a), _map(grad_out), _out_map(out),
         i32(_OUT_KINDS[out.dtype]), i32(int(accumulate)),
         accumulate_mask if accumulate_mask is not None else i64(0),  # null: every group adds
-        offs, i32(M), i32(P), i32(Q), i32(G), i32(num_stages), group_maps=True,
+        offs, i32(M), i32(P), i32(Q), i32(G), i32(num_stages),
     )
 
 

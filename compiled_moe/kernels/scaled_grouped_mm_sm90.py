@@ -161,7 +161,7 @@ def scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe: str, out,
     launch_wgrad(
         "fp8_grouped_mm", "fp8_grouped_mm_wgrad", min(_num_sms(dev), G * tiles_per_group),
         _wgrad_shared_bytes(G, num_stages, out.dtype), offs, M, G, tiles_per_group, 128,
-        FP8_WGRAD_CLAIM_STEPS, dev,
+        FP8_WGRAD_CLAIM_STEPS, 0, dev,
         a_map, d_map, out_map,
         a_scale, i64(a_scale.stride(0)), i32(a_scale.stride(1)),
         d_scale, i64(d_scale.stride(0)), i32(d_scale.stride(1)),
