@@ -12,8 +12,9 @@ model shape x {uniform, skewed} x {fc1, fc2};
 same run.
 
 The other build's kernels must take the arguments the package's launchers pass now (for
-instance, the bf16 weight gradient takes its per-group tensor maps since 2026-11-26: an older
-build's outputs then differ and the script stops).
+instance, the bf16 weight gradient takes its per-group tensor maps since 2026-11-26, the FP8
+one since 2026-11-27, and wgrad_tile_order the maps' row dimension: an older build's outputs
+then differ and the script stops).
 
     python benchmarks/ab_csrc.py OLD_DIR [--rounds 4] [--json out.json]
         [--passes forward dgrad wgrad "fp8 forward" "fp8 wgrad"] [--models Qwen3 ...] [--tokens 8192]
