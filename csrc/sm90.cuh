@@ -526,8 +526,9 @@ __device__ bool claims_tiles(const int* __restrict__ offs, int M, int G, int til
 // a tensor's end. That step then needs no zeroing in shared memory: before, each consumer
 // zeroed its a rows and all of b's in every group's last step, and the bf16 weight gradient
 // ran 1.03-1.11x slower under skewed routing (H200, same outputs; uniform routing, whose
-// groups end on whole steps, level). The end is offs[g] clamped to [0, M] (at least 1): where a corrupt offs
-// makes it smaller than the group's start, the kernels' group is empty and reads no map.
+// groups end on whole steps, level; the FP8 one, whose helper warps zeroed, level). The end
+// is offs[g] clamped to [0, M] (at least 1): where a corrupt offs makes it smaller than the
+// group's start, the kernels' group is empty and reads no map.
 // Written in the generic proxy and released to the tensor-map proxy; a reader acquires each
 // map before its first use (map_acquire).
 template <int DIM>
