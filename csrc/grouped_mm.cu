@@ -466,7 +466,7 @@ __device__ __forceinline__ void grouped_mm_fwd(
     // split K, which was not measured) keep the k loop rolled; ptxas unrolls it 3 times
     // otherwise. H200, same process, against the unrolled loop (benchmarks/ab_csrc.py, 3
     // rounds, paired): Qwen3 uniform 1.010-1.025x forward and dgrad, skewed fc2 forward 1.024x,
-    // GPT-OSS 0.98-1.01x; rolled everywhere, DeepSeek-V3 and Mixtral ran 0.986-1.006x (skewed
+    // GPT-OSS 0.98-1.01x; rolled everywhere, DeepSeek-V3 and Mixtral ran 0.976-1.022x (skewed
     // DeepSeek-V3 0.99x), so they keep the unrolled loop.
     constexpr int UNROLL = SKIP_PAST_ROWS && !SPLIT_K ? 1 : 0;
     consume_steps<UNROLL>(steps, stage, phase, num_stages, full, empty, smem, lane, [&](int, unsigned char* st) {
