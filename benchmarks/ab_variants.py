@@ -3,7 +3,7 @@ kernels/configs.py). Every model shape x {uniform, skewed} x {fc1, fc2}; variant
 interleaved rounds (best of the rounds' medians), outputs compared bitwise with the first
 variant's; `torch._grouped_mm` is timed beside the bf16 ones.
 
-    python benchmarks/ab_variants.py fp8-forward 1,5 2,5 1,6      # cluster,stages
+    python benchmarks/ab_variants.py fp8-forward 1,5 2,5 1,6 1,3,256   # cluster,stages[,block_n]
     python benchmarks/ab_variants.py fp8-wgrad 4 3 5               # stages
     python benchmarks/ab_variants.py bf16-forward 3,0 3,1          # stages,skip_past_rows
     python benchmarks/ab_variants.py bf16-dgrad 3,0 3,1 --models Qwen3 --tokens 8192
@@ -56,7 +56,8 @@ def case(pas, variants, M0, K, N, G, routing, inputs=None):
         wq = cm.grouped_quantize(w, None, "fp8_blockwise")
         outs = {v: torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for v in variants}
         fns = {v: (lambda v=v: fp8_sm90.scaled_grouped_mm(xq[0], wq[0].mT, xq[1], wq[1], offs, outs[v],
-                                                          num_stages=v[1], cluster=v[0]))
+                                                          num_stages=v[1], cluster=v[0],
+                                                          block_n=v[2] if len(v) > 2 else None))
                for v in variants}
     elif pas == "fp8-wgrad":
         dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)

@@ -16,7 +16,7 @@
 // while step k's is scaled and added (1.26-1.98x the Triton kernel on the H200, RESULTS.md).
 //
 // Block: 384 threads. Warpgroup 0 is the producer (one thread issues TMA), warpgroups 1 and 2
-// compute a 128 x 128 output tile. Persistent: one block per SM walks the tiles of all groups;
+// compute a 128 x 128 output tile (or 128 x 256: HALVES, below, where groups have the rows). Persistent: one block per SM walks the tiles of all groups;
 // the tile list is derived in each block from offs (no host loop, no host sync). A tile's 128
 // rows start at a row of its group; rows of the next group that the last tile loads are
 // computed and not stored.
@@ -31,27 +31,37 @@ constexpr int FRAG = BLOCK_N / 2;  // fp32 accumulators per consumer thread
 constexpr int MAX_STAGES = 8;
 constexpr int THREADS = 384;
 
-// d (64 x 128 fp32, this warpgroup's fragment) = (accumulate ? d : 0) + a (64 x 32) . b (128 x 32)^T.
+// d (64 x 128 fp32, this warpgroup's fragment) = (accumulate ? d : 0) + a (64 x 32) . b (128 x 32)^T,
+// with a from shared memory (SS: a descriptor) or from registers (RS: 4 registers a thread, the
+// layout ldmatrix_a_step loads).
 // C: the fragment's constraint, "+f" (read and written) or "=f" (written only: with scale-d 0
 // the old values are not read, and telling the compiler so frees their registers before the
 // first wgmma of a product).
-#define WGMMA_M64N128K32_E4M3(C, SCALE_D, ...)                                                             \
-  asm volatile(                                                                                          \
-      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"                                                      \
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "                                           \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                          \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                 \
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                 \
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "                \
-      "%64, %65, p, 1, 1;\n}\n"                                                                          \
-      : C(d[0]), C(d[1]), C(d[2]), C(d[3]), C(d[4]), C(d[5]), C(d[6]), C(d[7]), C(d[8]), C(d[9]),         \
-        C(d[10]), C(d[11]), C(d[12]), C(d[13]), C(d[14]), C(d[15]), C(d[16]), C(d[17]), C(d[18]),          \
-        C(d[19]), C(d[20]), C(d[21]), C(d[22]), C(d[23]), C(d[24]), C(d[25]), C(d[26]), C(d[27]),          \
-        C(d[28]), C(d[29]), C(d[30]), C(d[31]), C(d[32]), C(d[33]), C(d[34]), C(d[35]), C(d[36]),          \
-        C(d[37]), C(d[38]), C(d[39]), C(d[40]), C(d[41]), C(d[42]), C(d[43]), C(d[44]), C(d[45]),          \
-        C(d[46]), C(d[47]), C(d[48]), C(d[49]), C(d[50]), C(d[51]), C(d[52]), C(d[53]), C(d[54]),          \
-        C(d[55]), C(d[56]), C(d[57]), C(d[58]), C(d[59]), C(d[60]), C(d[61]), C(d[62]), C(d[63])           \
-      : "l"(desc_a), "l"(desc_b), "r"(SCALE_D))
+#define FRAG64_REGS                                                                              \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                      \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "             \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "             \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define FRAG64_OPERANDS(C)                                                                       \
+  C(d[0]), C(d[1]), C(d[2]), C(d[3]), C(d[4]), C(d[5]), C(d[6]), C(d[7]), C(d[8]), C(d[9]),      \
+      C(d[10]), C(d[11]), C(d[12]), C(d[13]), C(d[14]), C(d[15]), C(d[16]), C(d[17]), C(d[18]),  \
+      C(d[19]), C(d[20]), C(d[21]), C(d[22]), C(d[23]), C(d[24]), C(d[25]), C(d[26]), C(d[27]),  \
+      C(d[28]), C(d[29]), C(d[30]), C(d[31]), C(d[32]), C(d[33]), C(d[34]), C(d[35]), C(d[36]),  \
+      C(d[37]), C(d[38]), C(d[39]), C(d[40]), C(d[41]), C(d[42]), C(d[43]), C(d[44]), C(d[45]),  \
+      C(d[46]), C(d[47]), C(d[48]), C(d[49]), C(d[50]), C(d[51]), C(d[52]), C(d[53]), C(d[54]),  \
+      C(d[55]), C(d[56]), C(d[57]), C(d[58]), C(d[59]), C(d[60]), C(d[61]), C(d[62]), C(d[63])
+#define WGMMA_M64N128K32_E4M3(C, SCALE_D)                                                      \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"                                  \
+               "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " FRAG64_REGS            \
+               ", %64, %65, p, 1, 1;\n}\n"                                                     \
+               : FRAG64_OPERANDS(C)                                                            \
+               : "l"(desc_a), "l"(desc_b), "r"(SCALE_D))
+#define WGMMA_M64N128K32_E4M3_RS(C, SCALE_D)                                                   \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"                                  \
+               "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " FRAG64_REGS            \
+               ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"                                    \
+               : FRAG64_OPERANDS(C)                                                            \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(SCALE_D))
 #define READ_WRITE(x) "+f"(x)
 #define WRITE_ONLY(x) "=f"(x)
 
@@ -62,6 +72,32 @@ __device__ __forceinline__ void wgmma_m64n128k32(float* d, u64 desc_a, u64 desc_
 // The first wgmma of a product: d = a . b^T, without reading d.
 __device__ __forceinline__ void wgmma_m64n128k32_first(float* d, u64 desc_a, u64 desc_b) {
   WGMMA_M64N128K32_E4M3(WRITE_ONLY, 0);
+}
+
+__device__ __forceinline__ void wgmma_m64n128k32_rs(float* d, const u32* a, u64 desc_b) {
+  WGMMA_M64N128K32_E4M3_RS(READ_WRITE, 1);
+}
+
+__device__ __forceinline__ void wgmma_m64n128k32_rs_first(float* d, const u32* a, u64 desc_b) {
+  WGMMA_M64N128K32_E4M3_RS(WRITE_ONLY, 0);
+}
+
+// A 128-deep step of a warpgroup's 64 x 128-byte a tile (128-byte swizzle, as TMA writes it)
+// into the registers of four RS wgmma m64nNk32: a[4k .. 4k + 3] for the k-th 32 bytes. Warp w
+// holds rows 16w .. 16w + 15; a thread's register i has 4 bytes of row lane / 4 + 8 (i % 2),
+// columns 4 (lane % 4) + 16 (i / 2) (wgmma's register layout of an 8-bit a). One ldmatrix.x4
+// (8 x 8 matrices of 16-bit elements) loads exactly that: lanes 8q .. 8q + 7 address matrix
+// q's rows, row 8 (q % 2) + lane % 8 at 16-byte chunk 2k + q / 2.
+__device__ __forceinline__ void ldmatrix_a_step(u32* a, u32 a_tile, int warp_in_group, int lane) {
+  const int row = warp_in_group * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+  const u32 base = a_tile + row * 128;
+#pragma unroll
+  for (int k = 0; k < BLOCK_K / 32; ++k) {
+    const u32 addr = base + ((((2 * k) + (lane >> 4)) ^ (row & 7)) << 4);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(a[4 * k]), "=r"(a[4 * k + 1]), "=r"(a[4 * k + 2]), "=r"(a[4 * k + 3])
+                 : "r"(addr));
+  }
 }
 
 // The scales of one k step for a consumer thread's two rows (r0, r0 + 8): a's times b's.
@@ -92,7 +128,10 @@ __device__ __forceinline__ float2 shared_bias_pair(u32 tile_bias, int c, int kin
   return unpack_pair(ld_shared_u32(tile_bias + 2 * c), kind);
 }
 
-template <bool HAS_BIAS>
+//
+// HALVES 128-column halves (acc[64 h ..], bias columns 128 h ..) go to consecutive staging areas
+// of staging_boxes(out_kind) boxes each.
+template <bool HAS_BIAS, int HALVES = 1>
 __device__ __forceinline__ void stage_output(unsigned char* staging, const float* acc, int out_kind, int consumer,
                                              int frag_row, int frag_col, u32 tile_bias = 0, int bias_kind = -1) {
   bulk_wait_read();
@@ -100,21 +139,27 @@ __device__ __forceinline__ void stage_output(unsigned char* staging, const float
   named_barrier(2 + consumer, 128);
   int row;
   asm volatile("mov.b32 %0, %1;" : "=r"(row) : "r"(frag_row));
-  if constexpr (HAS_BIAS) {
-    float2 b[FRAG / 4];
-    if (bias_kind == 2) {  // (the kind's branch outside the column groups)
 #pragma unroll
-      for (int j = 0; j < FRAG / 4; ++j) b[j] = shared_bias_pair(tile_bias, 8 * j + frag_col, 2);
+  for (int h = 0; h < HALVES; ++h) {
+    unsigned char* half_staging = staging + h * staging_boxes(out_kind) * STAGING_BOX_BYTES;
+    const float* half_acc = acc + h * FRAG;
+    if constexpr (HAS_BIAS) {
+      float2 b[FRAG / 4];
+      const int c0 = h * BLOCK_N + frag_col;
+      if (bias_kind == 2) {  // (the kind's branch outside the column groups)
+#pragma unroll
+        for (int j = 0; j < FRAG / 4; ++j) b[j] = shared_bias_pair(tile_bias, 8 * j + c0, 2);
+      } else {
+#pragma unroll
+        for (int j = 0; j < FRAG / 4; ++j) b[j] = shared_bias_pair(tile_bias, 8 * j + c0, bias_kind);
+      }
+      auto bias = [&](int j) { return b[j]; };
+      if (out_kind == 2) stage_fragment_fp32<FRAG / 4>(half_staging, half_acc, 0, row, frag_col, bias);
+      else stage_fragment_16bit<FRAG / 4>(half_staging, half_acc, row, frag_col, out_kind, bias);
     } else {
-#pragma unroll
-      for (int j = 0; j < FRAG / 4; ++j) b[j] = shared_bias_pair(tile_bias, 8 * j + frag_col, bias_kind);
+      if (out_kind == 2) stage_fragment_fp32<FRAG / 4>(half_staging, half_acc, 0, row, frag_col, nullptr);
+      else stage_fragment_16bit<FRAG / 4>(half_staging, half_acc, row, frag_col, out_kind, nullptr);
     }
-    auto bias = [&](int j) { return b[j]; };
-    if (out_kind == 2) stage_fragment_fp32<FRAG / 4>(staging, acc, 0, row, frag_col, bias);
-    else stage_fragment_16bit<FRAG / 4>(staging, acc, row, frag_col, out_kind, bias);
-  } else {
-    if (out_kind == 2) stage_fragment_fp32<FRAG / 4>(staging, acc, 0, row, frag_col, nullptr);
-    else stage_fragment_16bit<FRAG / 4>(staging, acc, row, frag_col, out_kind, nullptr);
   }
   fence_async_shared();
   named_barrier(2 + consumer, 128);
@@ -127,7 +172,13 @@ __device__ __forceinline__ void stage_output(unsigned char* staging, const float
 // HAS_BIAS: a separate instantiation, so that the kernel without a bias keeps its code (with
 // the bias's branches in one kernel, the bias-free forward ran 0.986x in one A/B on the H200,
 // 0.955x on Qwen3 fc2).
-template <int CLUSTER, bool HAS_BIAS>
+// HALVES 2 (CLUSTER 1 only): 128 x 256 tiles, 2-byte outputs only (the staging of fp32 would not
+// fit beside the ring). A consumer's 64 x 256 accumulator and one 64 x 128 buffer of partial
+// products fill its registers, so a k step is two half-width products in turn, each waited for
+// and promoted, whose a comes from registers (RS wgmma: one ldmatrix pass over the stage's a
+// tile serves both halves). Per flop, that reads 17% fewer bytes from shared memory than the
+// 128 x 128 tile's SS wgmma, and the ring takes 25% fewer bytes from L2.
+template <int CLUSTER, bool HAS_BIAS, int HALVES = 1>
 __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
     const TensorMap& a_map, const TensorMap& a_rows_map, const TensorMap& b_map, const TensorMap& out_map,
     const float* __restrict__ a_scale, long long a_scale_stride_m, int a_scale_stride_k,
@@ -137,16 +188,18 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
     const int* __restrict__ offs, int M, int N, int K, int G, int num_stages) {
   extern __shared__ __align__(1024) unsigned char fwd_smem_raw[];
   // 1024-byte alignment of every tile: the 128-byte swizzle pattern repeats every 1024 bytes.
+  static_assert(HALVES == 1 || CLUSTER == 1, "128 x 256 tiles without clusters");
+  constexpr int stage_bytes = (1 + HALVES) * TILE_BYTES;  // a, then HALVES 128-row tiles of b
   unsigned char* smem = (unsigned char*)(((u64)fwd_smem_raw + 1023) & ~1023ull);
-  const int staging_bytes = staging_boxes(out_kind) * STAGING_BOX_BYTES;
-  unsigned char* out_stage = smem + num_stages * STAGE_BYTES;
-  unsigned char* bias_stage = out_stage + 2 * staging_bytes;  // 2 consumers x 128 fp32
-  u64* full = (u64*)(bias_stage + 2 * BLOCK_N * 4);
+  const int staging_bytes = HALVES * staging_boxes(out_kind) * STAGING_BOX_BYTES;
+  unsigned char* out_stage = smem + num_stages * stage_bytes;
+  unsigned char* bias_stage = out_stage + 2 * staging_bytes;  // 2 consumers x HALVES x 128 fp32
+  u64* full = (u64*)(bias_stage + 2 * HALVES * BLOCK_N * 4);
   u64* empty = full + MAX_STAGES;
   int* scratch = (int*)(empty + MAX_STAGES);
   Schedule sched{scratch + 32, scratch + 32 + G, scratch + 32 + 2 * G};
 
-  const int tile_n = BLOCK_N * CLUSTER;  // the columns of the tiles the schedule walks
+  const int tile_n = BLOCK_N * CLUSTER * HALVES;  // the columns of the tiles the schedule walks
   const int num_n = (N + tile_n - 1) / tile_n;
   const int num_kb = (K + BLOCK_K - 1) / BLOCK_K;
   const int warpgroup = threadIdx.x / 128;
@@ -186,10 +239,12 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
         const int rows_left = tile.row_end - tile.row0;
         const int row_boxes = CLUSTER == 1 && rows_left <= 48 ? (rows_left + 15) / 16 : 0;
         const int a_bytes = row_boxes > 0 ? row_boxes * 16 * BLOCK_K : second_half ? TILE_BYTES : TILE_BYTES / 2;
+        // A 128 x 256 tile's second half past N (N's last 128 columns or fewer) is not loaded.
+        const int b_halves = HALVES == 2 && tile.col0 + BLOCK_N < N ? 2 : 1;
         for (int kb = 0; kb < num_kb; ++kb) {
           mbar_wait(&empty[stage], phase ^ 1);
-          unsigned char* dst = smem + stage * STAGE_BYTES;
-          mbar_expect_tx(&full[stage], a_bytes + TILE_BYTES);
+          unsigned char* dst = smem + stage * stage_bytes;
+          mbar_expect_tx(&full[stage], a_bytes + b_halves * TILE_BYTES);
           if constexpr (CLUSTER > 1) {  // this CTA's half of a, to both CTAs
             tma_load_2d_multicast(dst + rank * (TILE_BYTES / 2), &a_map, &full[stage], kb * BLOCK_K,
                                   tile.row0 + 64 * rank, (unsigned short)((1 << CLUSTER) - 1));
@@ -202,7 +257,9 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
               tma_load_2d(dst + TILE_BYTES / 2, &a_map, &full[stage], kb * BLOCK_K, tile.row0 + 64);
           }
           // Columns past N (the second half of the last pair) load as zeros.
-          tma_load_3d(dst + TILE_BYTES, &b_map, &full[stage], kb * BLOCK_K, tile.col0, tile.group);
+          for (int h = 0; h < b_halves; ++h)
+            tma_load_3d(dst + (1 + h) * TILE_BYTES, &b_map, &full[stage], kb * BLOCK_K, tile.col0 + h * BLOCK_N,
+                        tile.group);
           if (++stage == num_stages) { stage = 0; phase ^= 1; }
         }
       }
@@ -218,17 +275,20 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
   const int frag_row = warp_in_group * 16 + lane / 4;  // within the consumer's 64 rows, and + 8
   const int frag_col = (lane % 4) * 2;                 // + 8 j, and + 1
   unsigned char* staging = out_stage + consumer * staging_bytes;
-  unsigned char* tile_bias = bias_stage + consumer * (BLOCK_N * 4);
+  unsigned char* tile_bias = bias_stage + consumer * (HALVES * BLOCK_N * 4);
   const int es = out_kind == 2 ? 4 : 2;
   // Two buffers of partial products: the wgmma of step kb + 1 runs on the tensor cores while
   // this thread scales and adds step kb's. With one buffer (wait for every step's wgmma, then
   // scale) the kernel ran at 980 TFLOP/s at most on the DeepSeek-V3 fc1 shape even with no
-  // loads at all, and 830 with them.
-  float acc[FRAG], part_a[FRAG], part_b[FRAG];
+  // loads at all, and 830 with them. (HALVES 2 uses part_a only.)
+  float acc[HALVES * FRAG], part_a[FRAG], part_b[FRAG];
   int stage = 0;
   u32 phase = 0;
 
-  for (int t = first_tile; t < num_tiles; t += tile_step) {
+  // (128 x 256 tiles: the bound is read from shared memory, which keeps ptxas from spilling it
+  // and the tile index.)
+  for (int t = first_tile; t < (HALVES == 2 ? (int)ld_shared_u32(smem_addr(&sched.tile_end[G - 1])) : num_tiles);
+       t += tile_step) {
     const Tile tile = my_tile(t);
     const int row0 = tile.row0 + consumer * 64;
     // A group's last tile with 64 rows or fewer left: the second consumer's rows all lie past
@@ -245,7 +305,7 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
     }
     // The tile's bias goes to shared memory under the k loop, two columns a thread of the first
     // two warps (zeros past N); the previous tile's epilogue has read the buffer (its barrier).
-    if (HAS_BIAS && tid_wg < BLOCK_N / 2)
+    if (HAS_BIAS && tid_wg < HALVES * BLOCK_N / 2)
       copy_bias_pair(tile_bias, tid_wg, bias, bias_kind, tile.group * bias_stride_g, tile.col0, N);
     const int r0 = row0 + frag_row, r1 = r0 + 8;
     const float* sa0 = a_scale + (long long)min(r0, M - 1) * a_scale_stride_m;
@@ -259,8 +319,8 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
     // Waits for the next stage and issues its four wgmma into `part`; returns the stage.
     auto issue = [&](float* part) {
       mbar_wait(&full[stage], phase);
-      const unsigned char* a_tile = smem + stage * STAGE_BYTES + consumer * (64 * BLOCK_K);
-      const unsigned char* b_tile = smem + stage * STAGE_BYTES + TILE_BYTES;
+      const unsigned char* a_tile = smem + stage * stage_bytes + consumer * (64 * BLOCK_K);
+      const unsigned char* b_tile = smem + stage * stage_bytes + TILE_BYTES;
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < BLOCK_K / 32; ++k)
@@ -270,49 +330,97 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
       if (++stage == num_stages) { stage = 0; phase ^= 1; }
       return issued;
     };
-    // The DeepSeek-V3 promotion: each 128-deep product is scaled and added in fp32, then its
-    // stage goes back to the producer.
-    auto promote = [&](const float* part, int part_stage, StepScales sc) {
-      fence_registers<FRAG>(const_cast<float*>(part));
-      mbar_arrive_if(&empty[part_stage], lane == 0);
-      if constexpr (CLUSTER > 1) mbar_arrive_remote_if(&empty[part_stage], rank ^ 1, lane == 0);
+    auto release = [&](int s) {
+      mbar_arrive_if(&empty[s], lane == 0);
+      if constexpr (CLUSTER > 1) mbar_arrive_remote_if(&empty[s], rank ^ 1, lane == 0);
+    };
+    // The DeepSeek-V3 promotion: each 128-deep product is scaled and added in fp32.
+    auto add_scaled = [&](float* into, const float* part, StepScales sc) {
 #pragma unroll
       for (int j = 0; j < FRAG / 4; ++j) {
-        acc[4 * j + 0] = fmaf(part[4 * j + 0], sc.s0, acc[4 * j + 0]);
-        acc[4 * j + 1] = fmaf(part[4 * j + 1], sc.s0, acc[4 * j + 1]);
-        acc[4 * j + 2] = fmaf(part[4 * j + 2], sc.s1, acc[4 * j + 2]);
-        acc[4 * j + 3] = fmaf(part[4 * j + 3], sc.s1, acc[4 * j + 3]);
+        into[4 * j + 0] = fmaf(part[4 * j + 0], sc.s0, into[4 * j + 0]);
+        into[4 * j + 1] = fmaf(part[4 * j + 1], sc.s0, into[4 * j + 1]);
+        into[4 * j + 2] = fmaf(part[4 * j + 2], sc.s1, into[4 * j + 2]);
+        into[4 * j + 3] = fmaf(part[4 * j + 3], sc.s1, into[4 * j + 3]);
       }
+    };
+    // A step's product is read, its stage goes back to the producer, then it is added.
+    auto promote = [&](const float* part, int part_stage, StepScales sc) {
+      fence_registers<FRAG>(const_cast<float*>(part));
+      release(part_stage);
+      add_scaled(acc, part, sc);
     };
 
 #pragma unroll
-    for (int i = 0; i < FRAG; ++i) acc[i] = 0.f;
-    // Steady state, two steps per turn so both buffers keep fixed registers: issue step kb + 1,
-    // wait until only it is in flight, promote step kb. Only uniform branches: ptxas serializes
-    // all wgmma when their flight spans a divergent one.
-    StepScales s_a = scales(0), s_b;
-    int stage_a = issue(part_a), stage_b;
-    int kb = 0;
-    for (; kb + 2 < num_kb; kb += 2) {
-      s_b = scales(kb + 1);
-      stage_b = issue(part_b);
-      wgmma_wait<1>();
-      promote(part_a, stage_a, s_a);
-      s_a = scales(kb + 2);
-      stage_a = issue(part_a);
-      wgmma_wait<1>();
-      promote(part_b, stage_b, s_b);
-    }
-    if (kb + 1 < num_kb) {  // two steps left
-      s_b = scales(kb + 1);
-      stage_b = issue(part_b);
-      wgmma_wait<1>();
-      promote(part_a, stage_a, s_a);
-      wgmma_wait<0>();
-      promote(part_b, stage_b, s_b);
-    } else {  // one step left
-      wgmma_wait<0>();
-      promote(part_a, stage_a, s_a);
+    for (int i = 0; i < HALVES * FRAG; ++i) acc[i] = 0.f;
+    if constexpr (HALVES == 1) {
+      // Steady state, two steps per turn so both buffers keep fixed registers: issue step kb + 1,
+      // wait until only it is in flight, promote step kb. Only uniform branches: ptxas serializes
+      // all wgmma when their flight spans a divergent one.
+      StepScales s_a = scales(0), s_b;
+      int stage_a = issue(part_a), stage_b;
+      int kb = 0;
+      for (; kb + 2 < num_kb; kb += 2) {
+        s_b = scales(kb + 1);
+        stage_b = issue(part_b);
+        wgmma_wait<1>();
+        promote(part_a, stage_a, s_a);
+        s_a = scales(kb + 2);
+        stage_a = issue(part_a);
+        wgmma_wait<1>();
+        promote(part_b, stage_b, s_b);
+      }
+      if (kb + 1 < num_kb) {  // two steps left
+        s_b = scales(kb + 1);
+        stage_b = issue(part_b);
+        wgmma_wait<1>();
+        promote(part_a, stage_a, s_a);
+        wgmma_wait<0>();
+        promote(part_b, stage_b, s_b);
+      } else {  // one step left
+        wgmma_wait<0>();
+        promote(part_a, stage_a, s_a);
+      }
+    } else {
+      // Per step: a's 64 x 128 bytes into registers, then per 128-column half four RS wgmma,
+      // waited for, and the promotion; the other consumer's wgmma keep the tensor cores busy
+      // meanwhile. The second half lies past N in N's last tile or two (not loaded, skipped).
+      // The scales by 32-bit offsets (the launcher checks that they fit): with 64-bit
+      // pointers, ptxas spilled registers in the bias kernel's k loop.
+      const bool half1 = __shfl_sync(0xffffffffu, tile.col0 + BLOCK_N < N, 0);
+      int sa_0 = min(r0, M - 1) * (int)a_scale_stride_m, sa_1 = min(r1, M - 1) * (int)a_scale_stride_m;
+      int sb_0 = tile.group * (int)b_scale_stride_g + (min(tile.col0, N - 1) / BLOCK_N) * b_scale_stride_n;
+      u32 a_regs[BLOCK_K / 8];  // 4 registers per 32-deep wgmma
+      auto half_product = [&](const unsigned char* b_tile) {
+        wgmma_fence();
+        wgmma_m64n128k32_rs_first(part_a, a_regs, smem_desc(b_tile));
+#pragma unroll
+        for (int k = 1; k < BLOCK_K / 32; ++k) wgmma_m64n128k32_rs(part_a, a_regs + 4 * k, smem_desc(b_tile + 32 * k));
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers<FRAG>(part_a);
+      };
+      for (int kb = 0; kb < num_kb; ++kb) {
+        const float x0 = a_scale[sa_0], x1 = a_scale[sa_1];
+        const float y0 = b_scale[sb_0], y1 = b_scale[sb_0 + (half1 ? b_scale_stride_n : 0)];
+        sa_0 += a_scale_stride_k;
+        sa_1 += a_scale_stride_k;
+        sb_0 += b_scale_stride_k;
+        mbar_wait(&full[stage], phase);
+        const unsigned char* st = smem + stage * stage_bytes;
+        ldmatrix_a_step(a_regs, smem_addr(st + consumer * (64 * BLOCK_K)), warp_in_group, lane);
+        half_product(st + TILE_BYTES);
+        if (half1) {
+          add_scaled(acc, part_a, StepScales{x0 * y0, x1 * y0});
+          half_product(st + 2 * TILE_BYTES);
+          release(stage);
+          add_scaled(acc + FRAG, part_a, StepScales{x0 * y1, x1 * y1});
+        } else {
+          release(stage);
+          add_scaled(acc, part_a, StepScales{x0 * y0, x1 * y0});
+        }
+        if (++stage == num_stages) { stage = 0; phase ^= 1; }
+      }
     }
 
     // Epilogue: 64 rows inside the group leave by TMA store (clipped at N), which runs on under
@@ -321,10 +429,11 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
     // (4-byte stores, 8 rows per warp instruction) took 1.01-1.27x this version's time on 13
     // of the 16 bench_fp8 shapes, most where K is short (Qwen3 fc2 1.27x, DeepSeek-V3 fc2
     // 1.09-1.13x), and 0.99-1.00x on the other three (H200).
-    stage_output<HAS_BIAS>(staging, acc, out_kind, consumer, frag_row, frag_col, smem_addr(tile_bias), bias_kind);
+    stage_output<HAS_BIAS, HALVES>(staging, acc, out_kind, consumer, frag_row, frag_col, smem_addr(tile_bias),
+                                   bias_kind);
     if (row0 + 64 <= tile.row_end) {
       if (tid_wg == 0) {
-        for (int box = 0; box < staging_boxes(out_kind); ++box)
+        for (int box = 0; box < HALVES * staging_boxes(out_kind); ++box)
           if (tile.col0 + box * (128 / es) < N)
             tma_store_3d(&out_map, staging + box * STAGING_BOX_BYTES, tile.col0 + box * (128 / es), row0, 0);
         bulk_commit();
@@ -332,13 +441,17 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
     } else {
       // Lane l copies 16-byte chunk c = l % chunks of a row (box c / 8, chunk c % 8 swizzled),
       // 32 / chunks rows per warp instruction; N is a multiple of 8 (16 bytes of bf16).
-      const int chunks = 8 * es, c = lane % chunks, col = tile.col0 + c * (16 / es);
-      for (int row = warp_in_group * (32 / chunks) + lane / chunks; row < 64; row += 128 / chunks) {
-        const int r = row0 + row;
-        uint4 v;
-        const u32 addr = smem_addr(staging) + row * 128 + (c / 8) * STAGING_BOX_BYTES + (((c % 8) ^ (row & 7)) * 16);
-        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-        if (r < tile.row_end && col < N) *(uint4*)((unsigned char*)out + ((long long)r * out_stride_m + col) * es) = v;
+      const int chunks = 8 * es, c = lane % chunks;
+      for (int h = 0; h < HALVES; ++h) {
+        const int col = tile.col0 + h * BLOCK_N + c * (16 / es);
+        const u32 half_staging = smem_addr(staging) + h * (staging_bytes / HALVES);
+        for (int row = warp_in_group * (32 / chunks) + lane / chunks; row < 64; row += 128 / chunks) {
+          const int r = row0 + row;
+          uint4 v;
+          const u32 addr = half_staging + row * 128 + (c / 8) * STAGING_BOX_BYTES + (((c % 8) ^ (row & 7)) * 16);
+          asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+          if (r < tile.row_end && col < N) *(uint4*)((unsigned char*)out + ((long long)r * out_stride_m + col) * es) = v;
+        }
       }
     }
   }
@@ -355,7 +468,7 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
   if (CLUSTER > 1) cluster_sync();
 }
 
-#define FP8_BLOCKWISE_KERNEL(NAME, CLUSTER, HAS_BIAS, ATTRS)                                                \
+#define FP8_BLOCKWISE_KERNEL(NAME, CLUSTER, HAS_BIAS, HALVES, ATTRS)                                                \
   extern "C" __global__ void __launch_bounds__(THREADS, 1) ATTRS NAME(                                      \
       const __grid_constant__ TensorMap a_map, /* a (M, K) e4m3: dims {K, M}, box {128, 64} */              \
       const __grid_constant__ TensorMap a_rows_map, /* the same, box {128, 16} */                           \
@@ -366,17 +479,20 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
       int b_scale_stride_k, void* __restrict__ out, int out_kind, long long out_stride_m,                   \
       const void* __restrict__ bias, int bias_kind, long long bias_stride_g, /* HAS_BIAS only */            \
       const int* __restrict__ offs, int M, int N, int K, int G, int num_stages) {                           \
-    fp8_blockwise_grouped_mm_body<CLUSTER, HAS_BIAS>(                                                       \
+    fp8_blockwise_grouped_mm_body<CLUSTER, HAS_BIAS, HALVES>(                                                       \
         a_map, a_rows_map, b_map, out_map, a_scale, a_scale_stride_m, a_scale_stride_k, b_scale,            \
         b_scale_stride_g, b_scale_stride_n, b_scale_stride_k, out, out_kind, out_stride_m, bias, bias_kind, \
         bias_stride_g, offs, M, N, K, G, num_stages);                                                       \
   }
 
-FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm, 1, false, )
-FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm_bias, 1, true, )
+FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm, 1, false, 1, )
+FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm_bias, 1, true, 1, )
 // Launched on an even grid.
-FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm_x2, 2, false, __cluster_dims__(2, 1, 1))
-FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm_x2_bias, 2, true, __cluster_dims__(2, 1, 1))
+FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm_x2, 2, false, 1, __cluster_dims__(2, 1, 1))
+FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm_x2_bias, 2, true, 1, __cluster_dims__(2, 1, 1))
+// 128 x 256 tiles, 2-byte outputs.
+FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm_n256, 1, false, 2, )
+FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm_n256_bias, 1, true, 2, )
 
 // ---------------------------------------------------------------------------------------------
 // fp8_grouped_mm_wgrad: the weight gradient from columnwise data,

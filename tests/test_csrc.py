@@ -20,6 +20,8 @@ KERNELS = {
                        "fp8_blockwise_grouped_mm_bias": "QGMMA.64x128x32.F32.E4M3.E4M3",
                        "fp8_blockwise_grouped_mm_x2": "QGMMA.64x128x32.F32.E4M3.E4M3",
                        "fp8_blockwise_grouped_mm_x2_bias": "QGMMA.64x128x32.F32.E4M3.E4M3",
+                       "fp8_blockwise_grouped_mm_n256": "QGMMA.64x128x32.F32.E4M3.E4M3",
+                       "fp8_blockwise_grouped_mm_n256_bias": "QGMMA.64x128x32.F32.E4M3.E4M3",
                        "fp8_grouped_mm_wgrad": "QGMMA.64x128x32.F32.E4M3.E4M3",
                        "fp8_grouped_mm_wgrad_claimed": "QGMMA.64x128x32.F32.E4M3.E4M3"},
     "grouped_mm": {
@@ -42,9 +44,16 @@ KERNELS = {
     },
 }
 
-# Kernels that wait for each step's wgmma by design: the FP8 weight gradient has one buffer of
-# partial products (its other warpgroup's wgmma run meanwhile; csrc/fp8_grouped_mm.cu).
-WAITS_FOR_EACH_STEP = {"fp8_grouped_mm_wgrad", "fp8_grouped_mm_wgrad_claimed"}
+# Kernels that wait for each step's wgmma by design: the FP8 weight gradient and the FP8
+# forward's 128 x 256 tiles have one buffer of partial products (the other warpgroup's wgmma
+# run meanwhile; csrc/fp8_grouped_mm.cu).
+WAITS_FOR_EACH_STEP = {"fp8_grouped_mm_wgrad", "fp8_grouped_mm_wgrad_claimed",
+                       "fp8_blockwise_grouped_mm_n256", "fp8_blockwise_grouped_mm_n256_bias"}
+
+# Kernels whose consumers hold all but a few of their 232 registers in the k loop, where ptxas
+# keeps a tile-loop variable on the stack (at most this many bytes, read once a tile); their
+# SASS holds no spill between the first and the last wgmma.
+SPILLS_OUTSIDE_LOOP = {"fp8_blockwise_grouped_mm_n256": 16, "fp8_blockwise_grouped_mm_n256_bias": 16}
 
 
 def _sass_by_function(cubin_path: str) -> dict[str, str]:
@@ -73,7 +82,7 @@ def test_kernels_compile_without_spills_or_wgmma_serialization(source, tmp_path)
         assert f"Compiling entry function '{kernel}'" in log, log
     spills = dict(re.findall(r"Function properties for (\w+)\n.*?(\d+) bytes spill stores", log))
     for kernel in KERNELS[source]:
-        assert int(spills[kernel]) == 0, (kernel, log)
+        assert int(spills[kernel]) <= SPILLS_OUTSIDE_LOOP.get(kernel, 0), (kernel, log)
     # The FP8 kernels' launchers size their shared memory as all dynamic (fit_stages).
     usage = dict(re.findall(r"Function properties for (\w+)\n.*?\n.*?(Used [^\n]*)", log))
     for kernel in KERNELS[source]:
@@ -85,6 +94,8 @@ def test_kernels_compile_without_spills_or_wgmma_serialization(source, tmp_path)
     for kernel, wgmma in KERNELS[source].items():
         sass = functions[kernel]
         assert sass.count(wgmma) >= 4, kernel
+        loop = sass[sass.index(wgmma):sass.rindex(wgmma)]
+        assert "LDL" not in loop and "STL" not in loop, kernel
         # Each steady-state step waits with one step still in flight (but WAITS_FOR_EACH_STEP).
         if kernel not in WAITS_FOR_EACH_STEP:
             assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass, kernel

@@ -782,13 +782,20 @@ def test_fp8_cuda_kernel_limits():
     assert not sm90.supported(a, b, "fp8_blockwise")
 
 
-def test_fp8_cluster_rule():
-    """The CUDA FP8 forward pairs CTAs (a tiles shared by TMA multicast) only where one expert's
-    weight exceeds the L2 and the groups average two row tiles or more: Mixtral's training
-    shapes, not its decoding ones, nor DeepSeek-V3's."""
+def test_fp8_forward_tile_rule():
+    """The CUDA FP8 forward takes 128 x 256 tiles where the groups average 128 rows or more
+    (training shapes, Mixtral at T = 512) and 128 x 128 tiles at fewer rows (decoding, where half
+    as many tiles would stream the weights); no shape pairs CTAs."""
     from compiled_moe.kernels import configs
-    assert configs.fp8_blockwise_sm90_config(8192, 28672, 4096, 8).cluster == 2   # Mixtral FC1
-    assert configs.fp8_blockwise_sm90_config(8192, 4096, 14336, 8).cluster == 2   # Mixtral FC2
-    assert configs.fp8_blockwise_sm90_config(64, 28672, 4096, 8).cluster == 1     # T = 32
-    assert configs.fp8_blockwise_sm90_config(1024, 4096, 14336, 8).cluster == 1   # T = 512
-    assert configs.fp8_blockwise_sm90_config(32768, 4096, 7168, 32).cluster == 1  # DeepSeek-V3
+    tiles = {  # (m, n, k, groups): block_n
+        (8192, 28672, 4096, 8): 256,    # Mixtral FC1, T = 4096
+        (1024, 4096, 14336, 8): 256,    # Mixtral FC2, T = 512
+        (64, 28672, 4096, 8): 128,      # Mixtral, T = 32
+        (32768, 4096, 7168, 32): 256,   # DeepSeek-V3 EP8
+        (32768, 1536, 2048, 128): 256,  # Qwen3, T = 4096
+        (4096, 1536, 2048, 128): 128,   # Qwen3, T = 512
+        (16384, 5760, 2880, 128): 256,  # GPT-OSS, T = 4096
+    }
+    for shape, block_n in tiles.items():
+        cfg = configs.fp8_blockwise_sm90_config(*shape)
+        assert (cfg.block_n, cfg.cluster) == (block_n, 1), shape

@@ -218,11 +218,15 @@ def test_fp8_blockwise_cuda_kernel_matches_reference_and_triton(shape, monkeypat
         assert (got[offs[-1]:] == 0).all()
 
 
+KERNEL_VARIANTS = [(1, 128), (2, 128), (1, 256)]  # (cluster, block_n) of the CUDA forward
+
+
 @pytest.mark.parametrize("shape", CUDA_FORWARD_SHAPES)
-def test_fp8_blockwise_cuda_cluster_kernel_matches_single_cta_bitwise(shape):
-    """The 2-CTA cluster kernel (a tiles shared by TMA multicast, column tiles in pairs) computes
-    every element as the one-CTA kernel does: the same products in the same order, so the same
-    bits, in every output dtype; every element written (outputs start as NaN)."""
+def test_fp8_blockwise_cuda_kernel_variants_match_bitwise(shape):
+    """The 2-CTA cluster kernel (a tiles shared by TMA multicast, column tiles in pairs) and the
+    128 x 256 tile kernel (a from registers, two half-width products a step) compute every
+    element as the one-CTA 128 x 128 kernel does: the same products in the same order, so the
+    same bits, in every output dtype; every element written (outputs start as NaN)."""
     from compiled_moe.kernels import scaled_grouped_mm_sm90 as sm90
     M, K, N, G, multiple, tail = shape
     torch.manual_seed(M + N)
@@ -231,15 +235,17 @@ def test_fp8_blockwise_cuda_cluster_kernel_matches_single_cta_bitwise(shape):
     offs = skewed_offsets(M, G, seed=M + 1, tail=tail, multiple=multiple)
     xq = cm.grouped_quantize(x, offs, "fp8_blockwise")
     wq = cm.grouped_quantize(w, None, "fp8_blockwise")
-    for out_dtype in (torch.bfloat16, torch.float32):
+    for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
         outs = []
-        for cluster in (1, 2):
+        for cluster, block_n in KERNEL_VARIANTS:
             out = torch.full((M, N), float("nan"), device=DEV, dtype=out_dtype)
             with no_sync():
-                sm90.scaled_grouped_mm(xq[0], wq[0].mT, xq[1], wq[1], offs, out, cluster=cluster)
+                sm90.scaled_grouped_mm(xq[0], wq[0].mT, xq[1], wq[1], offs, out, cluster=cluster,
+                                       block_n=block_n)
             outs.append(out)
-        assert not torch.isnan(outs[1].float()).any()
-        assert torch.equal(outs[0], outs[1]), out_dtype
+        for out, variant in zip(outs, KERNEL_VARIANTS):
+            assert not torch.isnan(out.float()).any(), (out_dtype, variant)
+            assert torch.equal(outs[0], out), (out_dtype, variant)
 
 
 @pytest.mark.parametrize("shape", [CUDA_FORWARD_SHAPES[i] for i in (1, 2, 3, 4, 6)])
@@ -247,7 +253,8 @@ def test_fp8_blockwise_cuda_cluster_kernel_matches_single_cta_bitwise(shape):
 def test_fp8_blockwise_cuda_kernel_bias(shape, bias_dtype, monkeypatch):
     """The CUDA kernel adds the bias to the fp32 product before rounding: in every output dtype
     its result is, bit for bit, the kernel's fp32 output without a bias plus the bias, rounded
-    once; with 2-CTA clusters too, and for a bias whose rows start at odd element offsets (the
+    once; with 2-CTA clusters and 128 x 256 tiles too, and for a bias whose rows start at odd
+    element offsets (the
     kernel copies two columns as one piece). The Triton kernel (other recipes, unaligned
     views) agrees to rounding."""
     from compiled_moe.kernels import scaled_grouped_mm_sm90 as sm90
@@ -270,12 +277,13 @@ def test_fp8_blockwise_cuda_kernel_bias(shape, bias_dtype, monkeypatch):
     shifted.copy_(bias)
     for out_dtype in (torch.bfloat16, torch.float32):
         want = summed.to(out_dtype)
-        for cluster in (1, 2):
+        for cluster, block_n in KERNEL_VARIANTS:
             for b in (bias, wide[:, :N], shifted):
                 out = torch.full((M, N), float("nan"), device=DEV, dtype=out_dtype)
                 with no_sync():
-                    sm90.scaled_grouped_mm(*args, out, b, cluster=cluster)
-                assert torch.equal(out, want), (out_dtype, cluster, b.stride(), b.storage_offset())
+                    sm90.scaled_grouped_mm(*args, out, b, cluster=cluster, block_n=block_n)
+                assert torch.equal(out, want), (out_dtype, cluster, block_n, b.stride(),
+                                                b.storage_offset())
         got = torch.ops.compiled_moe.scaled_grouped_mm(*args, "fp8_blockwise", out_dtype, bias)
         assert torch.equal(got, want) and (got[end:] == 0).all()
         monkeypatch.setenv("COMPILED_MOE_FP8_GEMM", "triton")

@@ -418,26 +418,29 @@ _HOPPER_SHARED_PER_SM = 228 * 1024  # shared memory of an SM (a block: at most 2
 @functools.lru_cache(maxsize=None)
 def fp8_blockwise_sm90_config(m: int, n: int, k: int, groups: int) -> TileConfig:
     """Tile of the CUDA FP8 blockwise kernel (csrc/fp8_grouped_mm.cu): BLOCK_M and BLOCK_K are
-    fixed at 128 (two consumer warpgroups of 64 rows, one scale block per k step); so is
-    BLOCK_N (two 64 x 128 fp32 buffers of partial products and the accumulator fill a
-    consumer thread's registers). m is the token-count hint.
+    fixed at 128 (two consumer warpgroups of 64 rows, one scale block per k step). m is the
+    token-count hint.
 
-    5 stages, not 6: with the output staging beside the ring, 6 stages leave the least L1 for
-    the scale loads; 5 ran 1.00-1.06x the speed of 6 on all 16 bench_fp8 shapes (H200).
+    BLOCK_N 256 where the groups average 128 rows or more (training shapes): the consumers read
+    a from registers and run two 128-column products a step with one buffer of partial
+    products. On the H200, same process against 128 x 128 (`ab_variants.py fp8-forward 1,5
+    1,3,256`, outputs bitwise equal): 1.07-1.12x on DeepSeek-V3, Qwen3 (T = 4096) and Mixtral,
+    0.99-1.05x on GPT-OSS, geometric mean 1.081x. With fewer rows a group (serving) it loses
+    (`--serving`: 0.68-1.03x at T = 1-512, geometric mean 0.952x; Mixtral at T = 512, 128 rows a
+    group, 1.01-1.03x): half as many tiles stream the weights. Its ring holds 3 stages of 48
+    KB beside 64 KB of output staging (fit_stages); fp32 outputs run 128 x 128.
 
-    cluster 2 (pairs of CTAs sharing the a tile by TMA multicast) where one expert's weight
-    (N x K bytes) is larger than the 50 MB L2, so that a tiles are fetched from memory more
-    than once: on Mixtral (117 and 59 MB) it ran 1.02-1.07x the one-CTA kernel in all 8 cases
-    (4 shapes, H100 and H200); on DeepSeek-V3 (15 and 29 MB) 0.88-1.06x, on the fine-grained
-    shapes 0.89-1.01x (a pair waits for its slower CTA). Only where the groups average two
-    row tiles or more: with fewer rows a pair shares little of a, and the one-CTA kernel loads
-    only the rows its tile uses. Mixtral's FC1/FC2 on the H200 (same process, L2 flushed), one
-    CTA against clusters: 1.44x / 1.10x at T = 1, 1.54x / 1.41x at T = 32, 1.02x / 1.04x at
-    T = 512 (128 rows a group), 0.99x / 1.00x at T = 1024 (256 rows a group)."""
+    5 stages for 128 x 128, not 6: with the output staging beside the ring, 6 stages leave the
+    least L1 for the scale loads; 5 ran 1.00-1.06x the speed of 6 on all 16 bench_fp8 shapes.
+
+    cluster 2 (pairs of CTAs sharing the a tile by TMA multicast; 128 x 128 only) is no longer
+    chosen: on Mixtral, where it had run 1.02-1.07x the one-CTA kernel, the one-CTA 128 x 128
+    kernel ran 1.01-1.04x it and the 128 x 256 one 1.00-1.05x (with an ordering of the two
+    consumers since dropped) in one run; at serving shapes it was only taken with two row tiles
+    a group or more. It stays for COMPILED_MOE_TILE and the tests."""
     def heuristic():
-        cluster = 2 if n * k > _HOPPER_L2_BYTES and m >= 256 * groups else 1
-        return TileConfig(block_m=128, block_n=128, block_k=128, num_warps=12, num_stages=5,
-                          cluster=cluster)
+        return TileConfig(block_m=128, block_n=256 if m >= 128 * groups else 128, block_k=128,
+                          num_warps=12, num_stages=5, cluster=1)
 
     return _choose("fp8_blockwise_sm90", (m, n, k, groups), "cuda", heuristic)
 

@@ -23,7 +23,8 @@ _THREADS = 384
 MAX_GROUPS = 2048  # the tile list lives in shared memory beside the ring
 _OUT_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _OUT_MAP_TYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "FLOAT16", torch.float32: "FLOAT32"}
-_STAGE_BYTES = 2 * 128 * 128  # two 128 x 128 e4m3 tiles
+_TILE_BYTES = 128 * 128  # one 128 x 128 e4m3 tile
+_STAGE_BYTES = 2 * _TILE_BYTES
 _SHARED_LIMIT = 227 * 1024
 
 
@@ -49,13 +50,18 @@ def supported(a, b, recipe: str, bias=None) -> bool:
             and b.stride(1) == 1 and b.stride(2) % _ALIGN == 0 and b.stride(0) % _ALIGN == 0)
 
 
-def _shared_bytes(num_groups: int, num_stages: int, out_dtype: torch.dtype) -> int:
-    # ring of 32 KB stages + the two consumers' 64 x 128 output staging + their copies of the
-    # tile's bias (128 fp32 each) + 1024 alignment slack + 2 x 8 mbarriers + 32 scan ints + 3
-    # ints per group
-    staging = 2 * 64 * 128 * out_dtype.itemsize
-    return (num_stages * _STAGE_BYTES + staging + 2 * 128 * 4 + 1024 + 2 * 8 * 8
-            + 4 * (32 + 3 * num_groups))
+def _shared_bytes(num_groups: int, num_stages: int, out_dtype: torch.dtype, block_n: int = 128) -> int:
+    # ring of stages (a's tile and block_n / 128 tiles of b) + the two consumers' 64 x block_n
+    # output staging + their copies of the tile's bias (block_n fp32 each) + 1024 alignment
+    # slack + 2 x 8 mbarriers + 32 scan ints + 3 ints per group
+    staging = 2 * 64 * block_n * out_dtype.itemsize
+    return ((1 + block_n // 128) * _TILE_BYTES * num_stages + staging + 2 * block_n * 4 + 1024
+            + 2 * 8 * 8 + 4 * (32 + 3 * num_groups))
+
+
+def _last_offset(t: torch.Tensor) -> int:
+    """The element offset of t's last element from its first."""
+    return sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
 
 
 def fit_stages(requested: int, shared_bytes) -> int:
@@ -66,24 +72,32 @@ def fit_stages(requested: int, shared_bytes) -> int:
     return n
 
 
-_CLUSTER_KERNELS = {1: "fp8_blockwise_grouped_mm", 2: "fp8_blockwise_grouped_mm_x2"}
+# (cluster, block_n) -> kernel
+_KERNELS = {(1, 128): "fp8_blockwise_grouped_mm", (2, 128): "fp8_blockwise_grouped_mm_x2",
+            (1, 256): "fp8_blockwise_grouped_mm_n256"}
 
 
 def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, bias=None, num_stages=None,
-                      cluster=None) -> None:
+                      cluster=None, block_n=None) -> None:
     """out (M, N) = a (M, K) @ b (G, K, N) (+ bias (G, N)), e4m3 K-major operands with
     blockwise scales. The caller checked ``supported``, ``aligned`` and M, N, K > 0. cluster
-    (1 or 2; default: the config's): CTAs that share each a tile by TMA multicast."""
+    (1 or 2) and block_n (128 or 256: the tile's columns; 256 without a cluster and for 2-byte
+    outputs only), by default the config's: CTAs that share each a tile by TMA multicast."""
     M, K = a.shape
     G, _, N = b.shape
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
     i32, i64 = native.int32, native.int64
     cfg = fp8_blockwise_sm90_config(size_hint(M), N, K, G)
     cluster = cluster or cfg.cluster
+    block_n = block_n or cfg.block_n
+    # 128 x 256 tiles: 2-byte outputs (fp32 staging would not fit beside the ring), no cluster,
+    # and scale offsets that fit in 32 bits (their consumers index the scales so).
+    if out.element_size() > 2 or cluster > 1 or max(_last_offset(a_scale), _last_offset(b_scale)) >= 2**31:
+        block_n = 128
     # Boxes of 64 rows: a tile's two halves (with a cluster, each CTA loads one into both).
     a_map = native.tensor_map(a.data_ptr(), (K, M), (a.stride(0),), (128, 64))
     a_rows_map = native.tensor_map(a.data_ptr(), (K, M), (a.stride(0),), (128, 16))  # a few rows
-    shared = lambda n: _shared_bytes(G, n, out.dtype)  # noqa: E731
+    shared = lambda n: _shared_bytes(G, n, out.dtype, block_n)  # noqa: E731
     num_stages = fit_stages(num_stages or cfg.num_stages, shared)
     b_map = native.tensor_map(b.data_ptr(), (K, N, G), (b.stride(2), b.stride(0)), (128, 128, 1))
     es = out.element_size()
@@ -91,7 +105,7 @@ def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, bias=None, num_stages=N
                                 (128 // es, 64, 1), _OUT_MAP_TYPES[out.dtype])
     offs = offs.contiguous()
     bias = bias_in_pairs(bias)
-    name = _CLUSTER_KERNELS[cluster] + ("_bias" if bias is not None else "")
+    name = _KERNELS[cluster, block_n] + ("_bias" if bias is not None else "")
     kernel = native.kernel("fp8_grouped_mm", name, dev)
     grid = _num_sms(dev) // cluster * cluster
     if cluster > 1:
