@@ -426,9 +426,10 @@ def fp8_blockwise_sm90_config(m: int, n: int, k: int, groups: int) -> TileConfig
     products. On the H200, same process against 128 x 128 (`ab_variants.py fp8-forward 1,5
     1,3,256`, outputs bitwise equal): 1.07-1.12x on DeepSeek-V3, Qwen3 (T = 4096) and Mixtral,
     0.99-1.05x on GPT-OSS, geometric mean 1.081x. With fewer rows a group (serving) it loses
-    (`--serving`: 0.68-1.03x at T = 1-512, geometric mean 0.952x; Mixtral at T = 512, 128 rows a
-    group, 1.01-1.03x): half as many tiles stream the weights. Its ring holds 3 stages of 48
-    KB beside 64 KB of output staging (fit_stages); fp32 outputs run 128 x 128.
+    (`--serving`, T = 1-512: 0.68-1.03x below 128 rows a group, where half as many tiles stream
+    the weights; at 128 rows a group, DeepSeek-V3 and Mixtral at T = 512, 1.01-1.05x). Its ring
+    holds 3 stages of 48 KB beside 64 KB of output staging (fit_stages); fp32 outputs run
+    128 x 128.
 
     5 stages for 128 x 128, not 6: with the output staging beside the ring, 6 stages leave the
     least L1 for the scale loads; 5 ran 1.00-1.06x the speed of 6 on all 16 bench_fp8 shapes.
