@@ -16,8 +16,9 @@
 // while step k's is scaled and added (1.26-1.98x the Triton kernel on the H200, RESULTS.md).
 //
 // Block: 384 threads. Warpgroup 0 is the producer (one thread issues TMA), warpgroups 1 and 2
-// compute a 128 x 128 output tile (or 128 x 256: HALVES, below, where groups have the rows). Persistent: one block per SM walks the tiles of all groups;
-// the tile list is derived in each block from offs (no host loop, no host sync). A tile's 128
+// compute a 128 x 128 output tile (or 128 x 256: HALVES, below, where groups have the rows).
+// Persistent: one block per SM walks the tiles of all groups; the tile list is derived in each
+// block from offs (no host loop, no host sync). A tile's 128
 // rows start at a row of its group; rows of the next group that the last tile loads are
 // computed and not stored.
 
@@ -177,7 +178,10 @@ __device__ __forceinline__ void stage_output(unsigned char* staging, const float
 // products fill its registers, so a k step is two half-width products in turn, each waited for
 // and promoted, whose a comes from registers (RS wgmma: one ldmatrix pass over the stage's a
 // tile serves both halves). Per flop, that reads 17% fewer bytes from shared memory than the
-// 128 x 128 tile's SS wgmma, and the ring takes 25% fewer bytes from L2.
+// 128 x 128 tile's SS wgmma, and the ring takes 25% fewer bytes from L2: H200, same process,
+// outputs bitwise equal, 1.07-1.12x on the DeepSeek-V3, Qwen3 and Mixtral training shapes,
+// 0.99-1.05x on GPT-OSS's (geometric mean 1.081x; RESULTS.md, which also has the variants
+// that lost: the consumers' products in turns, four 64-column products into two buffers).
 template <int CLUSTER, bool HAS_BIAS, int HALVES = 1>
 __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
     const TensorMap& a_map, const TensorMap& a_rows_map, const TensorMap& b_map, const TensorMap& out_map,
@@ -468,7 +472,7 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
   if (CLUSTER > 1) cluster_sync();
 }
 
-#define FP8_BLOCKWISE_KERNEL(NAME, CLUSTER, HAS_BIAS, HALVES, ATTRS)                                                \
+#define FP8_BLOCKWISE_KERNEL(NAME, CLUSTER, HAS_BIAS, HALVES, ATTRS)                                        \
   extern "C" __global__ void __launch_bounds__(THREADS, 1) ATTRS NAME(                                      \
       const __grid_constant__ TensorMap a_map, /* a (M, K) e4m3: dims {K, M}, box {128, 64} */              \
       const __grid_constant__ TensorMap a_rows_map, /* the same, box {128, 16} */                           \
@@ -479,7 +483,7 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
       int b_scale_stride_k, void* __restrict__ out, int out_kind, long long out_stride_m,                   \
       const void* __restrict__ bias, int bias_kind, long long bias_stride_g, /* HAS_BIAS only */            \
       const int* __restrict__ offs, int M, int N, int K, int G, int num_stages) {                           \
-    fp8_blockwise_grouped_mm_body<CLUSTER, HAS_BIAS, HALVES>(                                                       \
+    fp8_blockwise_grouped_mm_body<CLUSTER, HAS_BIAS, HALVES>(                                               \
         a_map, a_rows_map, b_map, out_map, a_scale, a_scale_stride_m, a_scale_stride_k, b_scale,            \
         b_scale_stride_g, b_scale_stride_n, b_scale_stride_k, out, out_kind, out_stride_m, bias, bias_kind, \
         bias_stride_g, offs, M, N, K, G, num_stages);                                                       \

@@ -777,6 +777,11 @@ def test_fp8_cuda_kernel_limits():
             shared = lambda n: sm90._shared_bytes(groups, n, dtype)  # noqa: E731
             stages = sm90.fit_stages(cfg.num_stages, shared)
             assert stages >= 4 and shared(stages) <= 227 * 1024
+    # 128 x 256 tiles (2-byte outputs): 3 stages of 48 KB up to 256 groups, 2 at the most.
+    for groups, want in ((8, 3), (256, 3), (sm90.MAX_GROUPS, 2)):
+        shared = lambda n: sm90._shared_bytes(groups, n, torch.bfloat16, 256)  # noqa: E731
+        stages = sm90.fit_stages(cfg.num_stages, shared)
+        assert stages == want and shared(stages) <= 227 * 1024, groups
     a = torch.zeros(256, 512, dtype=R.FP8_DTYPE)
     b = torch.zeros(4, 256, 512, dtype=R.FP8_DTYPE).mT
     assert not sm90.supported(a, b, "fp8_blockwise")

@@ -50,7 +50,8 @@ def supported(a, b, recipe: str, bias=None) -> bool:
             and b.stride(1) == 1 and b.stride(2) % _ALIGN == 0 and b.stride(0) % _ALIGN == 0)
 
 
-def _shared_bytes(num_groups: int, num_stages: int, out_dtype: torch.dtype, block_n: int = 128) -> int:
+def _shared_bytes(num_groups: int, num_stages: int, out_dtype: torch.dtype,
+                  block_n: int = 128) -> int:
     # ring of stages (a's tile and block_n / 128 tiles of b) + the two consumers' 64 x block_n
     # output staging + their copies of the tile's bias (block_n fp32 each) + 1024 alignment
     # slack + 2 x 8 mbarriers + 32 scan ints + 3 ints per group
@@ -91,8 +92,10 @@ def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, bias=None, num_stages=N
     cluster = cluster or cfg.cluster
     block_n = block_n or cfg.block_n
     # 128 x 256 tiles: 2-byte outputs (fp32 staging would not fit beside the ring), no cluster,
-    # and scale offsets that fit in 32 bits (their consumers index the scales so).
-    if out.element_size() > 2 or cluster > 1 or max(_last_offset(a_scale), _last_offset(b_scale)) >= 2**31:
+    # and scale offsets that fit in an int32 with a k step to spare (the consumers index the
+    # scales so, and step one past the last).
+    if (out.element_size() > 2 or cluster > 1
+            or max(_last_offset(a_scale), _last_offset(b_scale)) >= 2**30):
         block_n = 128
     # Boxes of 64 rows: a tile's two halves (with a cluster, each CTA loads one into both).
     a_map = native.tensor_map(a.data_ptr(), (K, M), (a.stride(0),), (128, 64))
