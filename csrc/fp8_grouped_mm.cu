@@ -215,7 +215,7 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
   const int num_tiles = sched.tile_end[G - 1];
   // This CTA's tile: the schedule's, columns shifted to its half.
   auto my_tile = [&](int t) {
-    Tile tile = locate(t, sched, G, BLOCK_M, tile_n);
+    Tile tile = locate(t, sched, G, BLOCK_M, tile_n, num_n);
     tile.col0 += BLOCK_N * rank;
     return tile;
   };

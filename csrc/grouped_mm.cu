@@ -372,11 +372,11 @@ __device__ __forceinline__ void grouped_mm_fwd(
   auto item = [&](int t, int& kb0, int& kb1) {
     kb0 = 0;
     kb1 = num_kb;
-    if (!SPLIT_K) return locate(t, sched, G, BLOCK_M, BLOCK_N);
+    if (!SPLIT_K) return locate(t, sched, G, BLOCK_M, BLOCK_N, num_n);
     const int tile = t / splits, split = t - tile * splits;
     kb0 = split * num_kb / splits;
     kb1 = (split + 1) * num_kb / splits;
-    return locate(tile, sched, G, BLOCK_M, BLOCK_N);
+    return locate(tile, sched, G, BLOCK_M, BLOCK_N, num_n);
   };
 
   if (warpgroup == 0) {

@@ -576,7 +576,11 @@ struct Tile {
   int group, row0, row_end, col0;
 };
 
-__device__ __forceinline__ Tile locate(int t, const Schedule& s, int G, int block_m, int block_n) {
+// Row tiles per band of a group's tile order (below).
+constexpr int ROW_TILES_PER_BAND = 16;
+
+// Tile t of the schedule; num_n: column tiles per group.
+__device__ __forceinline__ Tile locate(int t, const Schedule& s, int G, int block_m, int block_n, int num_n) {
   int lo = 0, hi = G - 1;  // first group whose tile_end exceeds t
   while (lo < hi) {
     const int mid = (lo + hi) >> 1;
@@ -585,11 +589,25 @@ __device__ __forceinline__ Tile locate(int t, const Schedule& s, int G, int bloc
   const int local = t - (lo == 0 ? 0 : s.tile_end[lo - 1]);
   const int rows = s.row_end[lo] - s.row_start[lo];
   const int m_tiles = (rows + block_m - 1) / block_m;
-  // Row tiles vary fastest: the blocks running at once share few weight column blocks.
+  // Row tiles vary fastest: the blocks running at once share few weight column blocks. A group
+  // with more row tiles than a band is walked band by band, so that the blocks share its rows
+  // too: 132 blocks cover 16 row tiles x 8 column tiles instead of 64 x 2, whose a rows (an
+  // 8192-row group at K = 7168: 59 MB in FP8) overflow L2.
+  int row_tile, col_tile;
+  if (m_tiles <= ROW_TILES_PER_BAND) {
+    row_tile = local % m_tiles;
+    col_tile = local / m_tiles;
+  } else {
+    const int band = local / (ROW_TILES_PER_BAND * num_n);
+    const int band_rows = min(ROW_TILES_PER_BAND, m_tiles - band * ROW_TILES_PER_BAND);
+    const int within = local - band * ROW_TILES_PER_BAND * num_n;
+    row_tile = band * ROW_TILES_PER_BAND + within % band_rows;
+    col_tile = within / band_rows;
+  }
   Tile tile;
   tile.group = lo;
-  tile.row0 = s.row_start[lo] + (local % m_tiles) * block_m;
+  tile.row0 = s.row_start[lo] + row_tile * block_m;
   tile.row_end = s.row_end[lo];
-  tile.col0 = (local / m_tiles) * block_n;
+  tile.col0 = col_tile * block_n;
   return tile;
 }

@@ -182,6 +182,7 @@ CUDA_FORWARD_SHAPES = [  # M, K, N, G, group-size multiple, rows past the last g
     (3, 256, 128, 4, 1, 0),          # fewer rows than one tile, empty groups, one column tile
     (2048, 768, 2048, 128, 1, 3),    # many groups, most of one tile or less
     (64, 1024, 384, 24, 1, 3),       # a few tokens' rows: 1-48 rows a tile load in 16-row boxes
+    (6000, 256, 640, 3, 16, 7),      # a group of more row tiles than a band (sm90.cuh, locate)
 ]
 
 

@@ -180,6 +180,7 @@ CUDA_SHAPES = [  # (M, K, N, G, tail)
     (300, 64, 64, 1, 0),         # one group
     (3, 1440, 2880, 9, 0),       # fewer rows than a tile: most groups empty
     (8192, 512, 768, 64, 0),     # skewed groups of 12 weight-gradient tiles: claimed at run time
+    (6000, 256, 640, 3, 5),      # a group of 37 row tiles, walked in bands of 16 (sm90.cuh, locate)
 ]
 
 
