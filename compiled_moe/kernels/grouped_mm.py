@@ -491,7 +491,10 @@ def grouped_mm_wgrad(a: torch.Tensor, grad_out: torch.Tensor, offs: torch.Tensor
     cfg = grouped_mm_wgrad_config(max(1, size_hint(M) // G), size_hint(K), size_hint(N),
                                   a.dtype, a.device.type)
     use_tma = M > 0 and _use_tma(a, grad_out)
-    tma_store = use_tma and _tma_ok(out)
+    # As in the forward: the stages leave room for a staged output tile of the inputs' element
+    # size only (bf16 inputs into an fp32 main_grad at 512 rows a group or more, 64 x 256 x 128
+    # tiles: 272 KB asked for, 227 KB there).
+    tma_store = use_tma and _tma_ok(out) and out.element_size() <= a.element_size()
     num_programs = _num_sms(_device_index(a)) * cfg.ctas_per_sm
     has_mask = accumulate_mask is not None
     wrap_triton(_grouped_mm_wgrad_kernel)[(num_programs,)](
