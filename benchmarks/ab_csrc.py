@@ -18,6 +18,7 @@ then differ and the script stops).
 
     python benchmarks/ab_csrc.py OLD_DIR [--rounds 4] [--json out.json]
         [--passes forward dgrad wgrad "fp8 forward" "fp8 wgrad"] [--models Qwen3 ...] [--tokens 8192]
+        [--deepgemm]   # DeepGEMM's published grouped shapes (bench_fp8.py) instead
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_fp8 import padded_offsets  # noqa: E402
+from bench_fp8 import DEEPGEMM_CONTIGUOUS, padded_offsets  # noqa: E402
 from bench_grouped_mm import problem  # noqa: E402
 from common import (MODELS, environment, gmean, offsets, paired_ratio, timed_rounds,  # noqa: E402
                     write_json)
@@ -59,42 +60,49 @@ def kernels_from(directory: Path):
     return kernel
 
 
-def cases(models, tokens, passes):
+def cases(models, tokens, passes, deepgemm=False):
+    if deepgemm:  # DeepGEMM's published grouped shapes (bench_fp8.py --deepgemm), equal groups
+        for G, m, N, K, _ in DEEPGEMM_CONTIGUOUS:
+            yield from problem_cases(f"{G} groups x {m} rows N={N} K={K}", G * m, K, N, G, "uniform", passes)
+        return
     for shape, routing, proj in itertools.product(models, ("uniform", "skewed"), ("fc1", "fc2")):
         if tokens:
             shape = dataclasses.replace(shape, tokens=tokens)
         M, K, N, G = problem(shape, proj)
-        torch.manual_seed(0)
-        w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16) / math.sqrt(K)
-        offs = offsets(M, G, routing)
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-        flops = 2 * M * K * N
-        name = f"{shape.name} T={shape.tokens} {routing} {proj}"
-        yield (name, "forward", flops, lambda x=x, w=w, o=offs: cm.grouped_mm(x, w.mT, o),
-               lambda x=x, w=w, o=offs: torch._grouped_mm(x, w.mT, o))
-        yield (name, "dgrad", flops, lambda dy=dy, w=w, o=offs: cm.grouped_mm(dy, w, o),
-               lambda dy=dy, w=w, o=offs: torch._grouped_mm(dy, w, o))
-        # The weight gradient in the weight's (G, N, K) layout, as autograd asks for it.
-        yield (name, "wgrad", flops, lambda x=x, dy=dy, o=offs: cm.grouped_mm_wgrad(dy, x, o),
-               lambda x=x, dy=dy, o=offs: torch._grouped_mm(dy.mT, x, o))
-        if "fp8 forward" not in passes and "fp8 wgrad" not in passes:
-            continue
-        poffs, PM = padded_offsets(M, G, routing)
-        xp = torch.randn(PM, K, device="cuda", dtype=torch.bfloat16)
-        xq = cm.grouped_quantize(xp, poffs, "fp8_blockwise", rowwise=True, columnwise="fp8 wgrad" in passes)
-        wq = cm.grouped_quantize(w, None, "fp8_blockwise", rowwise=True, columnwise=False)
-        yield (name, "fp8 forward", 2 * PM * K * N,
-               lambda xq=xq, wq=wq, o=poffs: cm.scaled_grouped_mm(xq[0], wq[0].mT, xq[1], wq[1], o,
-                                                                  recipe="fp8_blockwise"), None)
-        if "fp8 wgrad" not in passes:
-            continue
-        # The weight's gradient in its (G, N, K) layout: d_t's columns by x_t's.
-        dq = cm.grouped_quantize(torch.randn(PM, N, device="cuda", dtype=torch.bfloat16), poffs,
-                                 "fp8_blockwise", rowwise=False, columnwise=True)
-        yield (name, "fp8 wgrad", 2 * PM * K * N,
-               lambda xq=xq, dq=dq, o=poffs: cm.scaled_grouped_mm_wgrad(dq[2], xq[2], dq[3], xq[3], o,
-                                                                        recipe="fp8_blockwise"), None)
+        yield from problem_cases(f"{shape.name} T={shape.tokens} {routing} {proj}", M, K, N, G, routing, passes)
+
+
+def problem_cases(name, M, K, N, G, routing, passes):
+    torch.manual_seed(0)
+    w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16) / math.sqrt(K)
+    offs = offsets(M, G, routing)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    flops = 2 * M * K * N
+    yield (name, "forward", flops, lambda x=x, w=w, o=offs: cm.grouped_mm(x, w.mT, o),
+           lambda x=x, w=w, o=offs: torch._grouped_mm(x, w.mT, o))
+    yield (name, "dgrad", flops, lambda dy=dy, w=w, o=offs: cm.grouped_mm(dy, w, o),
+           lambda dy=dy, w=w, o=offs: torch._grouped_mm(dy, w, o))
+    # The weight gradient in the weight's (G, N, K) layout, as autograd asks for it.
+    yield (name, "wgrad", flops, lambda x=x, dy=dy, o=offs: cm.grouped_mm_wgrad(dy, x, o),
+           lambda x=x, dy=dy, o=offs: torch._grouped_mm(dy.mT, x, o))
+    if "fp8 forward" not in passes and "fp8 wgrad" not in passes:
+        return
+    poffs, PM = padded_offsets(M, G, routing)
+    xp = torch.randn(PM, K, device="cuda", dtype=torch.bfloat16)
+    xq = cm.grouped_quantize(xp, poffs, "fp8_blockwise", rowwise=True, columnwise="fp8 wgrad" in passes)
+    wq = cm.grouped_quantize(w, None, "fp8_blockwise", rowwise=True, columnwise=False)
+    yield (name, "fp8 forward", 2 * PM * K * N,
+           lambda xq=xq, wq=wq, o=poffs: cm.scaled_grouped_mm(xq[0], wq[0].mT, xq[1], wq[1], o,
+                                                              recipe="fp8_blockwise"), None)
+    if "fp8 wgrad" not in passes:
+        return
+    # The weight's gradient in its (G, N, K) layout: d_t's columns by x_t's.
+    dq = cm.grouped_quantize(torch.randn(PM, N, device="cuda", dtype=torch.bfloat16), poffs,
+                             "fp8_blockwise", rowwise=False, columnwise=True)
+    yield (name, "fp8 wgrad", 2 * PM * K * N,
+           lambda xq=xq, dq=dq, o=poffs: cm.scaled_grouped_mm_wgrad(dq[2], xq[2], dq[3], xq[3], o,
+                                                                    recipe="fp8_blockwise"), None)
 
 
 def main():
@@ -105,11 +113,13 @@ def main():
     p.add_argument("--passes", nargs="*", default=PASSES, choices=PASSES)
     p.add_argument("--models", nargs="*", help="name prefixes of the shapes to run (default: all)")
     p.add_argument("--tokens", type=int, help="tokens of every shape instead of its own")
+    p.add_argument("--deepgemm", action="store_true",
+                   help="DeepGEMM's published grouped shapes instead of the models'")
     args = p.parse_args()
     models = [m for m in MODELS if not args.models or any(m.name.startswith(n) for n in args.models)]
     builds = {"new": native.kernel, "old": kernels_from(args.old.resolve())}
     rows = []
-    for name, pas, flops, ours, peer in cases(models, args.tokens, args.passes):
+    for name, pas, flops, ours, peer in cases(models, args.tokens, args.passes, args.deepgemm):
         if pas not in args.passes:
             continue
         outs = {}

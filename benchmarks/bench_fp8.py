@@ -10,6 +10,13 @@ GEMM times exclude quantization (operands are quantized once, as a training step
 group sizes are rounded to multiples of 16 rows for every contender (routing padding).
 
     python benchmarks/bench_fp8.py --json out.json
+    python benchmarks/bench_fp8.py --deepgemm   # only DeepGEMM's published grouped shapes
+
+--deepgemm times the forward on the shapes of DeepGEMM's published table of grouped GEMMs in
+its contiguous layout (README of February 2025: H800, NVCC 12.8, the kernel alone, groups of
+equal size), prints that table's TFLOP/s beside ours, and times torch._scaled_grouped_mm rowwise
+and our bf16 GEMM in the same run. DeepGEMM itself is not run: its figures are from another GPU
+(H800) and another day.
 """
 
 from __future__ import annotations
@@ -114,6 +121,28 @@ def make_fns(M, K, N, G, routing):
     return M, fns, exact, (x, offs)
 
 
+# DeepGEMM's README (February 2025), grouped GEMMs, contiguous layout, H800:
+# (groups, rows per group, N, K, TFLOP/s). out (rows, N) = a (rows, K) @ b[g] (N, K)^T.
+DEEPGEMM_CONTIGUOUS = [(4, 8192, 4096, 7168, 1297), (4, 8192, 7168, 2048, 1099),
+                       (8, 4096, 4096, 7168, 1288), (8, 4096, 7168, 2048, 1093)]
+
+
+def run_deepgemm_shapes(args):
+    rows = []
+    for G, m, N, K, published in DEEPGEMM_CONTIGUOUS:
+        M, fns, exact, _ = make_fns(G * m, K, N, G, "uniform")
+        check({"forward": fns["forward"]}, exact, f"DeepGEMM shape {G}x{m}x{N}x{K}")
+        group = {who: fns["forward"][who] for who in ("blockwise", "torch_rowwise", "bf16")}
+        times = interleaved(group, args.rounds)
+        tf = {who: 2 * M * K * N / t / 1e9 for who, t in times.items()}
+        rows.append(dict(groups=G, m=m, N=N, K=K, tflops=tf, deepgemm_h800=published))
+        print(f"groups {G} x {m} rows, N {N}, K {K}: ours blockwise {tf['blockwise']:6.0f} "
+              f"TFLOP/s (DeepGEMM, H800, published: {published}; ours / theirs "
+              f"{tf['blockwise'] / published:.2f}) | torch rowwise {tf['torch_rowwise']:6.0f} | "
+              f"our bf16 {tf['bf16']:6.0f}", flush=True)
+    return rows
+
+
 def check(fns, exact, name):
     """Every FP8 contender within FP8 error of our bf16 result (catches a wrong layout)."""
     for pas, group in fns.items():
@@ -188,7 +217,14 @@ def main():
     p.add_argument("--models", nargs="*")
     p.add_argument("--skip-quantize", action="store_true")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (best median of each)")
+    p.add_argument("--deepgemm", action="store_true",
+                   help="only the forward on DeepGEMM's published grouped shapes")
     args = p.parse_args()
+    if args.deepgemm:
+        rows = run_deepgemm_shapes(args)
+        if args.json:
+            write_json(args.json, {"env": environment(), "deepgemm_shapes": rows})
+        return
     rows = run(args)
     quant = [] if args.skip_quantize else quantize_rows()
     print("\nsummary (TFLOP/s; ratios are peer time / our time):")
