@@ -50,7 +50,7 @@ SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
           torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8",
-          torch.float8_e4m3fn: "fp8e4nv"}
+          torch.float8_e4m3fn: "fp8e4nv", torch.bool: "i1"}
 MODULES = (activations, grouped_mm, moe_mlp, quantize, routing, scaled_grouped_mm)
 
 
@@ -126,8 +126,10 @@ def compile_launch(kernel, args, kwargs) -> dict:
 
 
 def record(model, launch_all=None) -> list:
-    """The launches of one forward, dgrad and weight gradient of each op family at a shape
-    (launch_all(model) makes them, on fake CUDA tensors; default: _launch_all)."""
+    """The launches of one forward, dgrad and weight gradient of each op family at a shape, with
+    the variants training makes (fp32 main_grad accumulation, fp32 outputs, biases, fp16 and fp32
+    inputs, the fused FC1 gathering rows) (launch_all(model) makes them, on fake CUDA tensors;
+    default: _launch_all)."""
     recorder = Recorder()
     saved = {}
     for module in MODULES:
@@ -155,8 +157,25 @@ def _launch_all(model) -> None:
     grouped_mm.grouped_mm(x, w1.transpose(1, 2), offs, None, h)  # FC1 forward
     grouped_mm.grouped_mm(h, w1, offs, None, torch.empty_like(x))  # FC1 dgrad
     grouped_mm.grouped_mm_wgrad(h, x, offs, torch.empty_like(w1), False, None)  # FC1 wgrad
+    # Training's other forms: fp32 main_grad accumulated in place under a mask (TransformerEngine's
+    # fuse_wgrad_accumulation), in both layouts; fp32 outputs; a bias; fp16 and fp32 inputs.
+    main_grad = torch.empty(E, 2 * I, H, device=cuda, dtype=torch.float32)
+    mask = torch.empty(E, device=cuda, dtype=torch.bool)
+    grouped_mm.grouped_mm_wgrad(h, x, offs, main_grad, True, mask)
+    grouped_mm.grouped_mm_wgrad(x, h, offs, main_grad.transpose(1, 2), True, mask)
+    grouped_mm.grouped_mm(x, w1.transpose(1, 2), offs, torch.empty(E, 2 * I, device=cuda, dtype=bf16),
+                          torch.empty(M, 2 * I, device=cuda, dtype=torch.float32))
+    for dtype in (torch.float16, torch.float32):
+        xd, hd, w1d = x.to(dtype), h.to(dtype), w1.to(dtype)
+        grouped_mm.grouped_mm(xd, w1d.transpose(1, 2), offs, None, hd)
+        grouped_mm.grouped_mm_wgrad(hd, xd, offs, torch.empty_like(w1d), False, None)
     constants = (GPT_OSS_ALPHA, GPT_OSS_LIMIT)
     moe_mlp.mlp_fc1(x, None, 1, w1, offs, None, None, h, a, "swiglu", "stacked", *constants)
+    # GPT-OSS's form: interleaved gate/up with b1, rows gathered through the routing map, probs.
+    moe_mlp.mlp_fc1(x, torch.empty(M, device=cuda, dtype=torch.int32), model.top_k, w1, offs,
+                    torch.empty(E, 2 * I, device=cuda, dtype=bf16),
+                    torch.empty(M, device=cuda, dtype=torch.float32), h, a, "gpt_oss",
+                    "interleaved", *constants)
     activations.activation_forward(h, a, "swiglu", "stacked", *constants)
     activations.activation_backward(a, h, torch.empty_like(h), "swiglu", "stacked", *constants)
     # The one-program route at its largest size, for the model's experts.
