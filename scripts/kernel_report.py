@@ -128,8 +128,8 @@ def compile_launch(kernel, args, kwargs) -> dict:
 def record(model, launch_all=None) -> list:
     """The launches of one forward, dgrad and weight gradient of each op family at a shape, with
     the variants training makes (fp32 main_grad accumulation, fp32 outputs, biases, fp16 and fp32
-    inputs, the fused FC1 gathering rows) (launch_all(model) makes them, on fake CUDA tensors;
-    default: _launch_all)."""
+    inputs, the fused FC1 gathering rows, every FP8 recipe) (launch_all(model) makes them, on fake
+    CUDA tensors; default: _launch_all)."""
     recorder = Recorder()
     saved = {}
     for module in MODULES:
@@ -189,7 +189,7 @@ def _launch_all(model) -> None:
     routing.combine_rows(x, torch.empty(model.tokens, model.top_k, device=cuda,
                                         dtype=torch.int32),
                          torch.empty(model.tokens, H, device=cuda, dtype=bf16))
-    for recipe in ("fp8_blockwise", "mxfp8"):
+    for recipe in ("fp8_blockwise", "mxfp8", "fp8_rowwise"):
         xq, xs, xq_t, xs_t = fp8_ops._quantize_outputs(x, offs, recipe, True, True)
         quantize.quantize_tiles(x, xq, xs, recipe, weight=False)
         quantize.quantize_group_columns(x, offs, xq_t, xs_t, None, None, recipe)
@@ -197,6 +197,9 @@ def _launch_all(model) -> None:
         wq, ws, _, _ = fp8_ops._quantize_outputs(w1, None, recipe, True, False)
         quantize.quantize_tiles(w1, wq, ws, recipe, weight=True)
         scaled_grouped_mm.scaled_grouped_mm(xq, wq.transpose(1, 2), xs, ws, offs, recipe, h)
+        scaled_grouped_mm.scaled_grouped_mm(xq, wq.transpose(1, 2), xs, ws, offs, recipe,
+                                            torch.empty(M, 2 * I, device=cuda, dtype=torch.float32),
+                                            torch.empty(E, 2 * I, device=cuda, dtype=bf16))
         hq, hs, hq_t, hs_t = fp8_ops._quantize_outputs(h, offs, recipe, True, True)
         scaled_grouped_mm.scaled_grouped_mm_wgrad(hq_t, xq_t, hs_t, xs_t, offs, recipe,
                                                   torch.empty_like(w1))
