@@ -132,7 +132,9 @@ def moe_permute(hidden: Tensor, row_of: Tensor, source: Tensor, *,
     """Gather tokens into expert-sorted order: ``x[r] = hidden[source[r] // k]`` (capacity, H).
 
     ``scale`` (T, k), optional, multiplies each row by its pair's value. Padding rows are zero.
-    Differentiable in hidden and scale. row_of/source come from :func:`moe_route`.
+    Differentiable in hidden and scale. row_of/source come from :func:`moe_route`; a source entry
+    that is no pair index in [0, T*k) gives a zero row, as padding (-1) does, so corrupt values
+    never address outside the tensors (as offs values are clamped).
     """
     return torch.ops.compiled_moe.moe_permute(hidden, row_of, source, scale)
 
@@ -142,7 +144,8 @@ def moe_unpermute(y: Tensor, row_of: Tensor, source: Tensor, *,
     """Combine expert outputs per token: ``out[t] = sum_s weights[t, s] * y[row_of[t, s]]`` (T, H).
 
     Each token sums its own k rows in slot order, in fp32 (no atomics: deterministic); dropped
-    pairs add nothing. Differentiable in y and weights.
+    pairs (row_of -1, or any entry that names no row of y) add nothing. Differentiable in y and
+    weights.
     """
     return torch.ops.compiled_moe.moe_unpermute(y, row_of, source, weights)
 

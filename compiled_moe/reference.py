@@ -156,20 +156,33 @@ def moe_route(topk_ids: Tensor, num_experts: int, pad_multiple: int = 1
 
 
 def moe_permute(hidden: Tensor, source: Tensor, top_k: int, scale: Tensor | None = None) -> Tensor:
-    """x[r] = hidden[source[r] // top_k] (times scale.flatten()[source[r]]); 0 where source < 0."""
-    valid = source >= 0
-    src = source.to(torch.int64).clamp(min=0)
+    """x[r] = hidden[source[r] // top_k] (times scale.flatten()[source[r]]); 0 where source[r] is
+    not a pair index in [0, T * top_k) (moe_route marks padding rows -1)."""
+    if hidden.shape[0] == 0 or top_k == 0:  # no pairs: every row is padding
+        return hidden.new_zeros((source.shape[0], hidden.shape[1]))
+    valid = (source >= 0) & (source < hidden.shape[0] * top_k)
+    src = torch.where(valid, source.to(torch.int64), 0)
     x = hidden[src // top_k]
     if scale is not None:
         x = (x.to(_compute_dtype(x.dtype)) * scale.reshape(-1)[src].to(_compute_dtype(x.dtype))[:, None])
     return torch.where(valid[:, None], x, 0).to(hidden.dtype)
 
 
+def _rows_of_y(y: Tensor, row_of: Tensor) -> tuple[Tensor, Tensor]:
+    """(valid, rows): the entries of row_of that name a row of y (moe_route marks dropped pairs
+    -1), and the indices with the others set to 0."""
+    valid = (row_of >= 0) & (row_of < y.shape[0])
+    return valid, torch.where(valid, row_of.to(torch.int64), 0)
+
+
 def moe_unpermute(y: Tensor, row_of: Tensor, weights: Tensor | None = None) -> Tensor:
-    """out[t] = sum_s weights[t, s] * y[row_of[t, s]] (weights 1 when None); rows -1 count 0."""
+    """out[t] = sum_s weights[t, s] * y[row_of[t, s]] (weights 1 when None); entries that name no
+    row of y (dropped pairs: -1) count 0."""
+    if y.shape[0] == 0:
+        return y.new_zeros((row_of.shape[0], y.shape[1]))
     cdt = _compute_dtype(y.dtype)
-    valid = row_of >= 0
-    picked = y[row_of.to(torch.int64).clamp(min=0)].to(cdt)  # (T, k, H)
+    valid, rows = _rows_of_y(y, row_of)
+    picked = y[rows].to(cdt)  # (T, k, H)
     w = valid.to(cdt) if weights is None else torch.where(valid, weights.to(cdt), 0)
     return (picked * w[..., None]).sum(1).to(y.dtype)
 
@@ -219,11 +232,14 @@ def activation(h: Tensor, name: str, gate_up_layout: str = "stacked",
 
 
 def moe_unpermute_dot(grad_out: Tensor, y: Tensor, row_of: Tensor) -> Tensor:
-    """dot[t, s] = <grad_out[t], y[row_of[t, s]]> (0 where row_of < 0): d out / d weights."""
+    """dot[t, s] = <grad_out[t], y[row_of[t, s]]> (0 where row_of[t, s] names no row of y):
+    d out / d weights."""
     cdt = _compute_dtype(y.dtype)
-    picked = y[row_of.to(torch.int64).clamp(min=0)].to(cdt)
-    dot = (picked * grad_out.to(cdt)[:, None, :]).sum(-1)
-    return torch.where(row_of >= 0, dot, 0)
+    if y.shape[0] == 0:
+        return torch.zeros(row_of.shape, dtype=cdt, device=y.device)
+    valid, rows = _rows_of_y(y, row_of)
+    dot = (y[rows].to(cdt) * grad_out.to(cdt)[:, None, :]).sum(-1)
+    return torch.where(valid, dot, 0)
 
 
 def activation_backward(grad: Tensor, h: Tensor, name: str, gate_up_layout: str = "stacked",

@@ -226,10 +226,17 @@ def test_fused_experts_gradcheck_with_gather():
     torch.autograd.gradcheck(f, tuple(inp[n] for n in names))
 
 
-def test_moe_mlp_gather_matches_sorted_input():
-    """The op's gather (source, row_of) equals running it on moe_permute's sorted copy."""
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_moe_mlp_gather_matches_sorted_input(corrupt):
+    """The op's gather (source, row_of) equals running it on moe_permute's sorted copy, also
+    where source holds entries that name no pair (zero rows: the gather must not read outside
+    hidden)."""
     inp = _experts("swiglu", True)
     offs, row_of, source = loop_route(inp["topk_ids"], 5)
+    if corrupt:
+        source = source.clone()
+        source[::3] += row_of.numel()
+        source[1::4] = -5
     x_sorted = cm.moe_permute(inp["hidden"], row_of, source)
     with kernels_on_cpu(), torch.no_grad():
         gathered, _ = torch.ops.compiled_moe.moe_mlp(inp["hidden"], offs, inp["w1"], inp["w2"],

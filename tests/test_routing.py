@@ -2,6 +2,8 @@
 reference vs host-loop oracles, Triton kernels in the interpreter, gradients, opcheck,
 torch.compile with dynamic token counts, csrc compiled by NVRTC, bad inputs."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -90,7 +92,7 @@ def _layout(tokens=23, k=3, experts=5, pad=4, lo_hi=(-1, 6), seed=1):
 def _loop_permute(hidden, source, k, scale=None):
     out = torch.zeros(source.shape[0], hidden.shape[1], dtype=torch.float64)
     for r, s in enumerate(source.tolist()):
-        if s >= 0:
+        if 0 <= s < hidden.shape[0] * k:  # else padding, or no pair: a zero row
             w = 1.0 if scale is None else scale.reshape(-1)[s].double()
             out[r] = hidden[s // k].double() * w
     return out
@@ -101,7 +103,7 @@ def _loop_unpermute(y, row_of, weights=None):
     for t in range(row_of.shape[0]):
         for s in range(row_of.shape[1]):
             r = int(row_of[t, s])
-            if r >= 0:
+            if 0 <= r < y.shape[0]:  # else dropped, or no row of y: adds nothing
                 w = 1.0 if weights is None else weights[t, s].double()
                 out[t] += w * y[r].double()
     return out
@@ -154,6 +156,71 @@ def test_kernels_write_every_element_interpreter():
     assert bool((x[source < 0] == 0).all()) and bool((gy[source < 0] == 0).all())
     assert bool((gw[row_of < 0] == 0).all())
     assert torch.isfinite(x).all() and torch.isfinite(gw).all()
+
+
+def _corrupt(row_of, source):
+    """Entries moe_route never makes: source values past the T*k pairs and below -1, row_of
+    values past y's rows."""
+    source, row_of = source.clone(), row_of.clone()
+    pairs, rows = row_of.numel(), source.shape[0]
+    source[::3] += pairs
+    source[1::5] = -7
+    row_of[::2, 0] += rows
+    row_of[1::4, -1] = rows + 1000
+    return row_of, source
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_entries_outside_the_tensors_are_padding(kernels):
+    """A source entry outside [0, T*k) gives a zero row and a row_of entry outside y's rows adds
+    nothing, in the reference and the kernels (which must not address outside the tensors:
+    the reference once raised IndexError and the kernels read and wrote out of bounds)."""
+    ids, offs, row_of, source = _layout()
+    k = ids.shape[1]
+    row_of, source = _corrupt(row_of, source)
+    hidden = torch.randn(ids.shape[0], 24)
+    w = torch.rand(ids.shape)
+    y = torch.randn(source.shape[0], 24)
+    g = torch.randn(ids.shape[0], 24)
+    context = kernels_on_cpu() if kernels else contextlib.nullcontext()
+    with context:
+        x = permute(hidden, row_of, source, w)
+        out = unpermute(y, row_of, source, w)
+        gy, gw = unpermute_backward(g, y, row_of, source, w)
+    assert_matches_oracle(x, _loop_permute(hidden, source, k, w), reference.moe_permute(hidden, source, k, w))
+    assert_matches_oracle(out, _loop_unpermute(y, row_of, w), reference.moe_unpermute(y, row_of, w))
+    assert_matches_oracle(gy, _loop_permute(g, source, k, w), reference.moe_permute(g, source, k, w))
+    # The weights' gradient: the kernel finds each pair's row through source, the reference
+    # through row_of; where the corrupt maps disagree only finiteness is defined.
+    rows = row_of.clamp(0, y.shape[0] - 1).long()
+    pair = torch.arange(row_of.numel()).view(row_of.shape)
+    agree = (row_of >= 0) & (row_of < y.shape[0]) & (source.long()[rows] == pair)
+    assert 0 < int(agree.sum()) < row_of.numel()
+    dot = torch.einsum("th,tkh->tk", g.double(), y.double()[rows])
+    torch.testing.assert_close(gw.double()[agree], dot[agree], rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(gw).all()
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_no_pairs_gives_zero_rows(kernels):
+    """row_of of k = 0 slots: every source entry names no pair (the kernels must not divide by
+    k = 0)."""
+    hidden = torch.randn(4, 8)
+    source = torch.tensor([0, 1, -1], dtype=torch.int32)
+    context = kernels_on_cpu() if kernels else contextlib.nullcontext()
+    with context:
+        x = permute(hidden, torch.empty(4, 0, dtype=torch.int32), source)
+    assert x.shape == (3, 8) and bool((x == 0).all())
+
+
+def test_unpermute_backward_checks_grad_out():
+    ids, offs, row_of, source = _layout()
+    y = torch.randn(source.shape[0], 16)
+    w = torch.rand(ids.shape)
+    with pytest.raises(ValueError, match="grad_out has 15 columns but y has 16"):
+        unpermute_backward(torch.randn(ids.shape[0], 15), y, row_of, source, w)
+    with pytest.raises(ValueError, match="grad_out has 5 tokens"):
+        unpermute_backward(torch.randn(5, 16), y, row_of, source, w)
 
 
 def test_permute_unpermute_gradcheck():

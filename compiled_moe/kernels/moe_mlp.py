@@ -88,7 +88,7 @@ def _weight_tile(desc, base, g, n0, k0, N, K, stride_n, stride_k, TMA: tl.conste
 @triton.jit
 def _mlp_fc1_kernel(
     x_ptr, source_ptr, w_ptr, bias_ptr, probs_ptr, h_ptr, out_ptr, offs_ptr,
-    M, I, K, G, top_k, alpha, limit,
+    M, I, K, G, top_k, num_pairs, alpha, limit,
     stride_xm, stride_xk,
     stride_wg, stride_wn, stride_wk,
     stride_hm, stride_om, stride_bias_g,
@@ -103,7 +103,8 @@ def _mlp_fc1_kernel(
     """out (M, I) = act(x[rows] @ w[g]^T + bias[g]) (* probs); h (M, N1) the pre-activation.
 
     w is FC1's weight (G, N1, K), any strides. GATHER: sorted row r reads x[source[r] // top_k]
-    (zeros where source[r] < 0); else row r reads x[r]. Programs own BLOCK_N output columns
+    (zeros where source[r] is not a pair index in [0, num_pairs): padding rows hold -1); else row
+    r reads x[r]. Programs own BLOCK_N output columns
     and compute the gate and the up columns that feed them: W_COLS = 2 * BLOCK_N contiguous
     weight rows for interleaved gate/up, BLOCK_N rows at col0 and at I + col0 for stacked.
     """
@@ -148,8 +149,8 @@ def _mlp_fc1_kernel(
         row_ok = rm < m_end
         if GATHER:
             src = tl.load(source_ptr + rm, mask=row_ok, other=-1)
-            row_ok = src >= 0
-            x_rows = tl.maximum(src, 0) // top_k
+            row_ok = (src >= 0) & (src < num_pairs)
+            x_rows = tl.where(row_ok, src, 0) // top_k
         else:
             x_rows = rm
         acc_g = tl.zeros((BLOCK_M, W_COLS), dtype=tl.float32)
@@ -254,7 +255,7 @@ def mlp_fc1(x: torch.Tensor, source: torch.Tensor | None, top_k: int, w1: torch.
     wrap_triton(_mlp_fc1_kernel)[(num_programs,)](
         x, source if source is not None else offs, w1, bias if bias is not None else out,
         probs if probs is not None else out, h if h is not None else out, out, offs,
-        M, inter, K, G, top_k, float(alpha), float(limit),
+        M, inter, K, G, max(top_k, 1), x.shape[0] * top_k, float(alpha), float(limit),
         x.stride(0), x.stride(1),
         w1.stride(0), w1.stride(1), w1.stride(2),
         h.stride(0) if h is not None else 0, out.stride(0),

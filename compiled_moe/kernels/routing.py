@@ -53,7 +53,7 @@ def _route_one_program_kernel(ids_ptr, offs_ptr, row_of_ptr, source_ptr, n, capa
 
 @triton.jit
 def _gather_rows_kernel(x_ptr, source_ptr, scale_ptr, other_ptr, out_ptr, dot_ptr, num_rows, H,
-                        top_k, stride_x, stride_other, stride_out,
+                        top_k, num_pairs, stride_x, stride_other, stride_out,
                         HAS_SCALE: tl.constexpr, HAS_DOT: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_H: tl.constexpr):
     """BLOCK_R rows; the grid's second axis splits the columns, except with HAS_DOT (one
@@ -61,8 +61,8 @@ def _gather_rows_kernel(x_ptr, source_ptr, scale_ptr, other_ptr, out_ptr, dot_pt
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < num_rows
     s = tl.load(source_ptr + r, mask=r_ok, other=-1).to(tl.int64)
-    valid = s >= 0
-    s = tl.maximum(s, 0)
+    valid = (s >= 0) & (s < num_pairs)  # padding rows (-1), and no pair outside the tensors
+    s = tl.where(valid, s, 0)
     t = s // top_k
     h_valid = tl.where(valid, H, 0)  # padding rows read nothing and write zeros
     r = r.to(tl.int64)
@@ -86,15 +86,16 @@ def _gather_rows_kernel(x_ptr, source_ptr, scale_ptr, other_ptr, out_ptr, dot_pt
 
 
 @triton.jit
-def _combine_rows_kernel(y_ptr, row_of_ptr, weights_ptr, out_ptr, H, top_k, stride_y, stride_out,
-                         HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr):
+def _combine_rows_kernel(y_ptr, row_of_ptr, weights_ptr, out_ptr, H, top_k, y_rows, stride_y,
+                         stride_out, HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for s in range(0, top_k):
         r = tl.load(row_of_ptr + t * top_k + s).to(tl.int64)
-        h_valid = tl.where(r >= 0, H, 0)  # dropped pairs add nothing
-        y = tl.load(y_ptr + tl.maximum(r, 0) * stride_y + cols, mask=cols < h_valid, other=0.0)
+        r_ok = (r >= 0) & (r < y_rows)  # dropped pairs (-1) add nothing, nor rows outside y
+        h_valid = tl.where(r_ok, H, 0)
+        y = tl.load(y_ptr + tl.where(r_ok, r, 0) * stride_y + cols, mask=cols < h_valid, other=0.0)
         y = y.to(tl.float32)
         if HAS_WEIGHTS:
             y = y * tl.load(weights_ptr + t * top_k + s).to(tl.float32)
@@ -124,7 +125,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def gather_rows(x: torch.Tensor, source: torch.Tensor, top_k: int, out: torch.Tensor,
                 scale: torch.Tensor | None = None, other: torch.Tensor | None = None,
                 dot: torch.Tensor | None = None) -> None:
-    """out[r] = (scale[s] *) x[s // top_k] with s = source[r], 0 where s < 0; dot[s] = <x[t], other[r]>."""
+    """out[r] = (scale[s] *) x[s // top_k] with s = source[r], 0 where s is not a pair index in
+    [0, T * top_k) (padding: -1); dot[s] = <x[t], other[r]>."""
     num_rows, H = out.shape
     if num_rows == 0:
         return
@@ -136,7 +138,7 @@ def gather_rows(x: torch.Tensor, source: torch.Tensor, top_k: int, out: torch.Te
     column_programs = 1 if dot is not None else triton.cdiv(H, cfg.block_n)
     grid = (triton.cdiv(num_rows, cfg.block_m), column_programs)
     wrap_triton(_gather_rows_kernel)[grid](
-        x, source, scale, other, out, dot, num_rows, H, top_k,
+        x, source, scale, other, out, dot, num_rows, H, max(top_k, 1), x.shape[0] * top_k,
         x.stride(0), other.stride(0) if other is not None else 0, out.stride(0),
         HAS_SCALE=scale is not None, HAS_DOT=dot is not None, BLOCK_R=cfg.block_m,
         BLOCK_H=cfg.block_n, num_warps=cfg.num_warps,
@@ -145,7 +147,8 @@ def gather_rows(x: torch.Tensor, source: torch.Tensor, top_k: int, out: torch.Te
 
 def combine_rows(y: torch.Tensor, row_of: torch.Tensor, out: torch.Tensor,
                  weights: torch.Tensor | None = None) -> None:
-    """out[t] = sum_s (weights[t, s] *) y[row_of[t, s]], rows -1 skipped."""
+    """out[t] = sum_s (weights[t, s] *) y[row_of[t, s]]; entries that name no row of y (dropped
+    pairs: -1) skipped."""
     num_tokens, H = out.shape
     top_k = row_of.shape[1]
     if num_tokens == 0 or H == 0:
@@ -155,6 +158,6 @@ def combine_rows(y: torch.Tensor, row_of: torch.Tensor, out: torch.Tensor,
     grid = (num_tokens, triton.cdiv(H, cfg.block_n))
     wrap_triton(_combine_rows_kernel)[grid](
         y, row_of.contiguous(), weights.contiguous() if weights is not None else None, out,
-        H, top_k, y.stride(0), out.stride(0),
+        H, top_k, y.shape[0], y.stride(0), out.stride(0),
         HAS_WEIGHTS=weights is not None, BLOCK_H=cfg.block_n, num_warps=cfg.num_warps,
     )

@@ -152,10 +152,10 @@ def _check_pair_tensor(name, t, row_of) -> None:
     check_same_device("row_of", row_of, **{name: t})
 
 
-def _check_permute(hidden, row_of, source, scale) -> None:
-    _check_layout("hidden", hidden, row_of, source)
+def _check_permute(hidden, row_of, source, scale, name="hidden") -> None:
+    _check_layout(name, hidden, row_of, source)
     if hidden.shape[0] != row_of.shape[0]:
-        raise ValueError(f"hidden has {hidden.shape[0]} tokens but row_of is "
+        raise ValueError(f"{name} has {hidden.shape[0]} tokens but row_of is "
                          f"{tuple(row_of.shape)}; they must match")
     _check_pair_tensor("scale", scale, row_of)
 
@@ -249,13 +249,20 @@ def _unpermute_backward(ctx, grad):
 _moe_unpermute.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
 
 
+def _check_unpermute_backward(grad_out, y, row_of, source, weights) -> None:
+    _check_unpermute(y, row_of, source, weights)
+    _check_permute(grad_out, row_of, source, weights, name="grad_out")
+    if grad_out.shape[1] != y.shape[1]:
+        raise ValueError(f"grad_out has {grad_out.shape[1]} columns but y has {y.shape[1]}; "
+                         "they must match")
+
+
 @torch.library.triton_op("compiled_moe::moe_unpermute_backward", mutates_args=())
 @on_tensor_device
 def _moe_unpermute_backward(grad_out: Tensor, y: Tensor, row_of: Tensor, source: Tensor,
                             weights: Tensor) -> tuple[Tensor, Tensor]:
     """(grad_y, grad_weights) of moe_unpermute with weights. Not differentiable itself."""
-    _check_unpermute(y, row_of, source, weights)
-    _check_permute(grad_out, row_of, source, weights)
+    _check_unpermute_backward(grad_out, y, row_of, source, weights)
     if not use_kernel(y):
         grad_y = reference.moe_permute(grad_out, source, row_of.shape[1], weights)
         return grad_y, reference.moe_unpermute_dot(grad_out, y, row_of).to(weights.dtype)
@@ -269,7 +276,6 @@ def _moe_unpermute_backward(grad_out: Tensor, y: Tensor, row_of: Tensor, source:
 
 @_moe_unpermute_backward.register_fake
 def _(grad_out, y, row_of, source, weights):
-    _check_unpermute(y, row_of, source, weights)
-    _check_permute(grad_out, row_of, source, weights)
+    _check_unpermute_backward(grad_out, y, row_of, source, weights)
     return y.new_empty(y.shape), weights.new_empty(weights.shape)
 
