@@ -19,7 +19,7 @@ from compiled_moe.reference import (ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATI
 from compiled_moe.kernels.configs import fp8_group_rows, mlp_gathers_input
 from compiled_moe.mlp import (_needs_grad, activation_constants, apply_activation,
                               check_fp8_weights, grouped_linear)
-from compiled_moe.ops._dispatch import check_same_device, check_tensor
+from compiled_moe.ops._dispatch import check_same_device, check_same_dtype, check_tensor
 
 
 def _check_experts_args(hidden, topk_ids, topk_weights, w1, w2, activation, gate_up_layout,
@@ -27,6 +27,8 @@ def _check_experts_args(hidden, topk_ids, topk_weights, w1, w2, activation, gate
     check_tensor("hidden", hidden, 2)
     check_tensor("topk_ids", topk_ids, 2, (torch.int32, torch.int64))
     check_tensor("topk_weights", topk_weights, 2, None)
+    if not topk_weights.is_floating_point():
+        raise TypeError(f"topk_weights must be a floating-point tensor, got {topk_weights.dtype}")
     check_tensor("w1", w1, 3)
     check_tensor("w2", w2, 3)
     if not callable(activation) and activation not in ACTIVATIONS:
@@ -48,6 +50,9 @@ def _check_experts_args(hidden, topk_ids, topk_weights, w1, w2, activation, gate
     if tuple(w2.shape) != (num_experts, hidden_size, inter):
         raise ValueError(f"w2 must be (E, H, I) = ({num_experts}, {hidden_size}, {inter}), "
                          f"got {tuple(w2.shape)}")
+    for name, b in (("b1", b1), ("b2", b2)):
+        if b is not None:
+            check_tensor(name, b, 2, None)
     if b1 is not None and tuple(b1.shape) != (num_experts, n1):
         raise ValueError(f"b1 must be (E, N1) = ({num_experts}, {n1}), got {tuple(b1.shape)}")
     if b2 is not None and tuple(b2.shape) != (num_experts, hidden_size):
@@ -56,6 +61,8 @@ def _check_experts_args(hidden, topk_ids, topk_weights, w1, w2, activation, gate
                       w2=w2, b1=b1, b2=b2)
     if fp8_recipe is not None:
         check_recipe(fp8_recipe)
+    else:  # (FP8 quantizes the weights from any float dtype, e.g. fp32 master weights)
+        check_same_dtype("hidden", hidden, w1=w1, w2=w2)
 
 
 def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from compiled_moe.ops._dispatch import is_transposed_weight
+from compiled_moe.ops._dispatch import check_tensor, is_transposed_weight
 from compiled_moe.reference import FP8_RECIPES, check_recipe
 
 
@@ -31,6 +31,7 @@ def quantize_weight(w: Tensor, recipe: str = "fp8_blockwise") -> tuple[Tensor, .
     Compute it once per optimizer step (after the weight changes) and reuse it across
     micro-batches; it holds two bytes per weight element. Not differentiable (w is detached)."""
     check_recipe(recipe)
+    check_tensor("w", w, 3)
     return _quantize(w.detach(), None, recipe, True, True)
 
 
@@ -96,9 +97,11 @@ def fp8_grouped_mm(a: Tensor, b: Tensor, offs: Tensor, *, recipe: str = "fp8_blo
     """``grouped_mm`` with every GEMM of forward and backward in FP8 (e4m3).
 
     Args:
-        a: (M, K) bf16/fp16/fp32 activations, K a multiple of 16.
-        b: (G, K, N), same dtype; usually the ``transpose(-2, -1)`` view of a (G, N, K)
-            nn.Linear-style weight (the master weight, kept in its own dtype).
+        a: (M, K) bf16/fp16/fp32 activations. K a multiple of 16 lets the Hopper CUDA kernels
+            run; other K run the Triton kernels.
+        b: (G, K, N), bf16/fp16/fp32 (not necessarily a's dtype: it is quantized either way);
+            usually the ``transpose(-2, -1)`` view of a (G, N, K) nn.Linear-style weight (the
+            master weight, kept in its own dtype). Its gradient comes back in its dtype.
         offs: int32 (G,), cumulative end row of each group. Group starts that are multiples of
             16 rows let the Hopper weight-gradient kernel run (route with ``pad_multiple=16``);
             otherwise a Triton kernel computes it, at about 0.3x that speed (fp8_blockwise; the
@@ -119,6 +122,8 @@ def fp8_grouped_mm(a: Tensor, b: Tensor, offs: Tensor, *, recipe: str = "fp8_blo
         Differentiable in a, b and bias.
     """
     check_recipe(recipe)
+    check_tensor("a", a, 2)
+    check_tensor("b", b, 3)
     if weight_fp8 is not None:
         _check_weight_fp8(weight_fp8, b, recipe)
         weight_fp8 = tuple(weight_fp8)

@@ -11,6 +11,7 @@ from torch import Tensor, is_grad_enabled
 
 from compiled_moe.fp8 import fp8_grouped_mm
 from compiled_moe.ops import moe_mlp as mlp_ops
+from compiled_moe.ops._dispatch import check_same_device, check_tensor
 from compiled_moe.reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, check_recipe
 
 
@@ -52,9 +53,10 @@ def check_fp8_weights(fp8_weights, fp8_recipe) -> tuple:
         return None, None
     if fp8_recipe is None:
         raise ValueError("fp8_weights needs fp8_recipe (the recipe they were quantized with)")
-    if not isinstance(fp8_weights, (tuple, list)) or len(fp8_weights) != 2:
+    if (not isinstance(fp8_weights, (tuple, list)) or len(fp8_weights) != 2
+            or any(q is None for q in fp8_weights)):
         raise TypeError("fp8_weights must be (quantize_weight(w1, recipe), "
-                        "quantize_weight(w2, recipe))")
+                        "quantize_weight(w2, recipe)), or None")
     return tuple(fp8_weights)
 
 
@@ -146,12 +148,21 @@ def _check_training_args(w1, w2, fuse_wgrad_accumulation, accumulate_mask, wgrad
                            "would not replay")
     if accumulate_mask is not None and not fuse_wgrad_accumulation:
         raise ValueError("accumulate_mask needs fuse_wgrad_accumulation=True")
+    # Checked here, not when backward (or wgrad_store.compute()) first writes main_grad.
+    if accumulate_mask is not None:
+        check_tensor("accumulate_mask", accumulate_mask, 1, dtypes=(torch.bool,))
+        if accumulate_mask.shape[0] != w1.shape[0]:
+            raise ValueError(f"accumulate_mask must have shape ({w1.shape[0]},), one entry per "
+                             f"expert, got {tuple(accumulate_mask.shape)}")
+        check_same_device("w1", w1, accumulate_mask=accumulate_mask)
     for name, w in (("w1", w1), ("w2", w2)):
         if fuse_wgrad_accumulation:
             main_grad = getattr(w, "main_grad", None)
             if not isinstance(main_grad, Tensor) or main_grad.shape != w.shape:
                 raise ValueError(f"fuse_wgrad_accumulation=True needs {name}.main_grad, a tensor "
                                  f"shaped like {name} {tuple(w.shape)}")
+            check_tensor(f"{name}.main_grad", main_grad, 3)
+            check_same_device(name, w, **{f"{name}.main_grad": main_grad})
         elif wgrad_store is not None and w.requires_grad and not w.is_leaf:
             raise ValueError(f"wgrad_store adds the delayed gradients to {name}.grad, so {name} "
                              f"must be a leaf tensor (a parameter), not a view of one")
@@ -199,7 +210,8 @@ def moe_mlp(x_sorted: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, *, activatio
         The last three run in eager mode only.
         fp8_recipe: None, or an FP8 recipe (``fp8_blockwise``, ``fp8_rowwise``, ``mxfp8``):
             both GEMMs of forward and backward run in FP8 (:func:`compiled_moe.fp8_grouped_mm`;
-            H and I multiples of 16), the activation between them in x's dtype. Unfused:
+            H and I multiples of 16 let the Hopper CUDA kernels run), the activation between
+            them in x's dtype. Unfused:
             three steps each way, the activation kept for backward. Not combined with the
             three training options above yet.
         fp8_weights: with fp8_recipe, ``(quantize_weight(w1, recipe), quantize_weight(w2,

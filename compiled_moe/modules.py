@@ -15,7 +15,8 @@ from torch import Tensor, nn
 
 from compiled_moe.experts import moe_experts
 from compiled_moe.fp8 import fp8_grouped_mm, quantize_weight
-from compiled_moe.reference import GATED_ACTIVATIONS, GPT_OSS_ALPHA, GPT_OSS_LIMIT
+from compiled_moe.reference import (ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS, GPT_OSS_ALPHA,
+                                   GPT_OSS_LIMIT, check_recipe)
 
 
 def _init_like_linear(weight: Tensor, bias: Tensor | None, in_features: int) -> None:
@@ -56,6 +57,8 @@ class GroupedLinear(nn.Module):
     def __init__(self, num_groups: int, in_features: int, out_features: int, bias: bool = True,
                  device=None, dtype=None, fp8_recipe: str | None = None):
         super().__init__()
+        if fp8_recipe is not None:
+            check_recipe(fp8_recipe)
         self.fp8_recipe = fp8_recipe
         kw = dict(device=device, dtype=dtype)
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
@@ -98,6 +101,13 @@ class MoEExperts(nn.Module):
                  limit: float = GPT_OSS_LIMIT, fp8_recipe: str | None = None, device=None,
                  dtype=None):
         super().__init__()
+        # Checked here rather than at the first forward.
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if gate_up_layout not in GATE_UP_LAYOUTS:
+            raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
+        if fp8_recipe is not None:
+            check_recipe(fp8_recipe)
         self.fp8_recipe = fp8_recipe
         kw = dict(device=device, dtype=dtype)
         n1 = 2 * intermediate_size if activation in GATED_ACTIVATIONS else intermediate_size
@@ -120,6 +130,10 @@ class MoEExperts(nn.Module):
 
     def forward(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor,
                 is_first_microbatch: bool | None = None) -> Tensor:
+        if (not torch.compiler.is_compiling() and isinstance(hidden, Tensor)
+                and hidden.shape[-1] != self.hidden_size):
+            raise ValueError(f"hidden has {hidden.shape[-1]} features but this MoEExperts has "
+                             f"hidden_size={self.hidden_size}")
         w1, w2 = self.gate_up_proj, self.down_proj
         if self.weights_transposed:
             w1, w2 = w1.transpose(-2, -1), w2.transpose(-2, -1)

@@ -545,6 +545,15 @@ def test_moe_mlp_fp8_bad_inputs():
         cm.moe_mlp(x, offs, w1, w2, fp8_recipe="fp8_rowwise", wgrad_store=cm.WeightGradStore())
     with pytest.raises(ValueError, match="w2"):
         cm.moe_mlp(x, offs, w1, w2[:, :, :16], fp8_recipe="fp8_rowwise")
+    with pytest.raises(TypeError, match="fp8_weights must be"):
+        cm.moe_mlp(x, offs, w1, w2, fp8_recipe="fp8_rowwise", fp8_weights=(None, None))
+    # The FP8 wrappers name their own arguments.
+    with pytest.raises(ValueError, match="a must be 2-D"):
+        cm.fp8_grouped_mm(x[None], w1.mT, offs)
+    with pytest.raises(TypeError, match="b must be a torch.Tensor"):
+        cm.fp8_grouped_mm(x, [1.0], offs)
+    with pytest.raises(ValueError, match="w must be 3-D"):
+        cm.quantize_weight(torch.randn(16, 16))
 
 
 def test_modules_take_a_recipe():

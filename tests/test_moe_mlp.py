@@ -349,6 +349,17 @@ def test_training_features_bad_inputs():
         cm.moe_mlp(**inp, accumulate_mask=torch.ones(4, dtype=torch.bool))
     with pytest.raises(ValueError, match="leaf"):
         cm.moe_mlp(**dict(inp, w1=inp["w1"] * 1), wgrad_store=WeightGradStore())
+    # main_grad and the mask are checked in the call, not when backward first writes main_grad.
+    for w in (inp["w1"], inp["w2"]):
+        w.main_grad = torch.zeros(w.shape)
+    mask = torch.ones(4, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"accumulate_mask must have shape \(4,\)"):
+        cm.moe_mlp(**inp, fuse_wgrad_accumulation=True, accumulate_mask=mask[:3])
+    with pytest.raises(TypeError, match="accumulate_mask must have dtype"):
+        cm.moe_mlp(**inp, fuse_wgrad_accumulation=True, accumulate_mask=mask.int())
+    inp["w2"].main_grad = torch.zeros(inp["w2"].shape, dtype=torch.int32)
+    with pytest.raises(TypeError, match="w2.main_grad must have dtype"):
+        cm.moe_mlp(**inp, fuse_wgrad_accumulation=True, accumulate_mask=mask)
 
 
 # ------------------------------------------------------------------ bad inputs

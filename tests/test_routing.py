@@ -430,11 +430,32 @@ def test_permute_unpermute_bad_inputs():
     (dict(b2=torch.randn(4, 16)), ValueError, "b2"),
     (dict(topk_weights=torch.rand(19, 3)), ValueError, "topk_weights"),
     (dict(topk_ids=torch.zeros(19, 2)), TypeError, "topk_ids"),
+    # Checked before any compute, naming the argument:
+    (dict(topk_weights=torch.ones(19, 2, dtype=torch.int64)), TypeError,
+     "topk_weights must be a floating-point"),
+    (dict(w1=torch.randn(5, 16, 16, dtype=torch.float64)), TypeError, "w1 has dtype .* but hidden"),
+    (dict(b1=[[0.0] * 16] * 5), TypeError, "b1 must be a torch.Tensor"),
 ])
 def test_experts_bad_inputs(change, exc, match):
     inp = _experts_inputs("swiglu", False, dtype=torch.float32)
     with pytest.raises(exc, match=match):
         cm.moe_experts(**dict(inp, **change))
+
+
+def test_modules_check_arguments_early():
+    """The modules reject bad constructor arguments when built, and a hidden size that is not
+    theirs by name (not as a weight shape error)."""
+    with pytest.raises(ValueError, match="activation must be one of"):
+        cm.MoEExperts(3, 8, 4, activation="relu")
+    with pytest.raises(ValueError, match="gate_up_layout must be one of"):
+        cm.MoEExperts(3, 8, 4, gate_up_layout="split")
+    with pytest.raises(ValueError, match="recipe"):
+        cm.MoEExperts(3, 8, 4, fp8_recipe="fp4")
+    with pytest.raises(ValueError, match="recipe"):
+        cm.GroupedLinear(3, 8, 4, fp8_recipe="fp4")
+    ids = torch.zeros(4, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="hidden has 9 features but this MoEExperts has hidden_size=8"):
+        cm.MoEExperts(3, 8, 4)(torch.randn(4, 9), ids, torch.rand(4, 2))
 
 
 @pytest.mark.parametrize("change,match", [
