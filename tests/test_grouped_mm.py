@@ -356,6 +356,9 @@ def test_wgrad_bad_inputs():
         cm.grouped_mm_wgrad(a, torch.randn(9, 5), offs)
     with pytest.raises(ValueError, match="main_grad must have shape"):
         cm.grouped_mm_wgrad_accumulate_(torch.zeros(3, 5, 8), a, torch.randn(10, 5), offs)
+    with pytest.raises(ValueError, match="main_grad must not have elements that share memory"):
+        cm.grouped_mm_wgrad_accumulate_(torch.zeros(3, 8, 1).expand(3, 8, 5), a,
+                                        torch.randn(10, 5), offs)
     with pytest.raises(TypeError, match="accumulate_mask"):
         cm.grouped_mm_wgrad_accumulate_(torch.zeros(3, 8, 5), a, torch.randn(10, 5), offs,
                                         accumulate_mask=torch.ones(3))

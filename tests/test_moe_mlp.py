@@ -341,6 +341,19 @@ def test_main_grad_accumulation_with_mask():
     torch.testing.assert_close(inp["x_sorted"].grad, want_x)
 
 
+def test_fc2_dgrad_checks_probs():
+    """The backward op checks probs as moe_mlp does."""
+    inp = _inputs("swiglu", False, True, dtype=torch.float32)
+    dy = torch.randn(inp["x_sorted"].shape)
+    h = torch.randn(dy.shape[0], 2 * inp["w2"].shape[2])
+    args = (dy, inp["w2"], h, inp["offs"])
+    with pytest.raises(TypeError, match="probs must be a floating"):
+        torch.ops.compiled_moe.moe_mlp_fc2_dgrad(*args, torch.ones(dy.shape[0], dtype=torch.int32),
+                                                 "swiglu", "stacked", 1.702, 7.0)
+    with pytest.raises(ValueError, match="probs must be"):
+        torch.ops.compiled_moe.moe_mlp_fc2_dgrad(*args, torch.rand(3), "swiglu", "stacked", 1.702, 7.0)
+
+
 def test_training_features_bad_inputs():
     inp = _inputs("swiglu", False, False, dtype=torch.float32, requires_grad=True)
     with pytest.raises(ValueError, match="w1.main_grad"):

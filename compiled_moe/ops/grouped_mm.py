@@ -190,6 +190,10 @@ _grouped_mm_wgrad.register_autograd(_wgrad_backward, setup_context=_wgrad_setup)
 
 def _check_wgrad_accumulate(main_grad, a, grad_out, offs, accumulate_mask) -> None:
     check_tensor("main_grad", main_grad, 3)
+    # (1: some elements share memory, e.g. an expanded tensor: the kernels' tiles would race)
+    if torch._debug_has_internal_overlap(main_grad) == 1:
+        raise ValueError("main_grad must not have elements that share memory (an expand()ed "
+                         "tensor, for instance)")
     _check_wgrad(a, grad_out, offs, main_grad.shape[0])
     check_same_device("a", a, main_grad=main_grad, accumulate_mask=accumulate_mask)
     expected = (main_grad.shape[0], a.shape[1], grad_out.shape[1])

@@ -52,6 +52,16 @@ def _inter(w1: Tensor, activation: str):
     return w1.shape[1] // 2 if activation in GATED_ACTIVATIONS else w1.shape[1]
 
 
+def check_probs(probs, rows: int) -> None:
+    if probs is None:
+        return
+    check_tensor("probs", probs, 1, None)
+    if not probs.is_floating_point():
+        raise TypeError(f"probs must be a floating-point tensor, got {probs.dtype}")
+    if probs.shape[0] != rows:
+        raise ValueError(f"probs must be ({rows},), one per sorted row, got {tuple(probs.shape)}")
+
+
 def check_inputs(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, source=None,
                  row_of=None) -> None:
     """Host-side checks of moe_mlp's arguments (shapes, dtypes, devices; no data reads)."""
@@ -83,12 +93,7 @@ def check_inputs(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, sou
         if row_of.shape[0] != x.shape[0]:
             raise ValueError(f"x has {x.shape[0]} tokens but row_of is {tuple(row_of.shape)}")
     rows = x.shape[0] if source is None else source.shape[0]
-    if probs is not None:
-        check_tensor("probs", probs, 1, None)
-        if not probs.is_floating_point():
-            raise TypeError(f"probs must be a floating-point tensor, got {probs.dtype}")
-        if probs.shape[0] != rows:
-            raise ValueError(f"probs must be ({rows},), one per sorted row, got {tuple(probs.shape)}")
+    check_probs(probs, rows)
     if b1 is not None:
         check_tensor("b1", b1, 2)
         if tuple(b1.shape) != (num_groups, n1):
@@ -274,10 +279,7 @@ def _check_dgrad(dy, w2, h, offs, probs, activation, gate_up_layout) -> None:
     if tuple(h.shape) != (dy.shape[0], n1) or dy.shape[1] != w2.shape[1]:
         raise ValueError(f"need dy (M, H), w2 (G, H, I), h (M, N1) with N1 = {n1}; got dy "
                          f"{tuple(dy.shape)}, w2 {tuple(w2.shape)}, h {tuple(h.shape)}")
-    if probs is not None:
-        check_tensor("probs", probs, 1, None)
-        if probs.shape[0] != dy.shape[0]:
-            raise ValueError(f"probs must be ({dy.shape[0]},), got {tuple(probs.shape)}")
+    check_probs(probs, dy.shape[0])
     check_same_device("dy", dy, w2=w2, h=h, offs=offs, probs=probs)
 
 
