@@ -128,8 +128,8 @@ def compile_launch(kernel, args, kwargs) -> dict:
 def record(model, launch_all=None) -> list:
     """The launches of one forward, dgrad and weight gradient of each op family at a shape, with
     the variants training makes (fp32 main_grad accumulation, fp32 outputs, biases, fp16 and fp32
-    inputs, the fused FC1 gathering rows, every FP8 recipe) (launch_all(model) makes them, on fake
-    CUDA tensors; default: _launch_all)."""
+    inputs to the GEMMs, the fused FC1 and the quantizers, the fused FC1 gathering rows, every FP8
+    recipe) (launch_all(model) makes them, on fake CUDA tensors; default: _launch_all)."""
     recorder = Recorder()
     saved = {}
     for module in MODULES:
@@ -176,6 +176,9 @@ def _launch_all(model) -> None:
                     torch.empty(E, 2 * I, device=cuda, dtype=bf16),
                     torch.empty(M, device=cuda, dtype=torch.float32), h, a, "gpt_oss",
                     "interleaved", *constants)
+    for dtype in (torch.float16, torch.float32):
+        moe_mlp.mlp_fc1(x.to(dtype), None, 1, w1.to(dtype), offs, None, None, h.to(dtype),
+                        a.to(dtype), "swiglu", "stacked", *constants)
     activations.activation_forward(h, a, "swiglu", "stacked", *constants)
     activations.activation_backward(a, h, torch.empty_like(h), "swiglu", "stacked", *constants)
     # The one-program route at its largest size, for the model's experts.
@@ -203,6 +206,11 @@ def _launch_all(model) -> None:
         hq, hs, hq_t, hs_t = fp8_ops._quantize_outputs(h, offs, recipe, True, True)
         scaled_grouped_mm.scaled_grouped_mm_wgrad(hq_t, xq_t, hs_t, xs_t, offs, recipe,
                                                   torch.empty_like(w1))
+        for dtype in (torch.float16, torch.float32):  # the quantizers' other inputs
+            xd = x.to(dtype)
+            xq, xs, xq_t, xs_t = fp8_ops._quantize_outputs(xd, offs, recipe, True, True)
+            quantize.quantize_tiles(xd, xq, xs, recipe, weight=False)
+            quantize.quantize_group_columns(xd, offs, xq_t, xs_t, xq, xs, recipe)
 
 
 def main():
