@@ -104,9 +104,9 @@ def _mlp_fc1_kernel(
 
     w is FC1's weight (G, N1, K), any strides. GATHER: sorted row r reads x[source[r] // top_k]
     (zeros where source[r] is not a pair index in [0, num_pairs): padding rows hold -1); else row
-    r reads x[r]. Programs own BLOCK_N output columns
-    and compute the gate and the up columns that feed them: W_COLS = 2 * BLOCK_N contiguous
-    weight rows for interleaved gate/up, BLOCK_N rows at col0 and at I + col0 for stacked.
+    r reads x[r]. Programs own BLOCK_N output columns and compute the gate and the up columns
+    that feed them: W_COLS = 2 * BLOCK_N contiguous weight rows for interleaved gate/up, BLOCK_N
+    rows at col0 and at I + col0 for stacked.
     """
     pid = tl.program_id(0)
     N1 = 2 * I if GATED else I
