@@ -12,6 +12,7 @@ from torch import Tensor, is_grad_enabled
 from compiled_moe.fp8 import fp8_grouped_mm
 from compiled_moe.ops import moe_mlp as mlp_ops
 from compiled_moe.ops._dispatch import check_same_device, check_tensor
+from compiled_moe.ops.grouped_mm import check_accumulate_mask
 from compiled_moe.reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, check_recipe
 
 
@@ -149,12 +150,8 @@ def _check_training_args(w1, w2, fuse_wgrad_accumulation, accumulate_mask, wgrad
     if accumulate_mask is not None and not fuse_wgrad_accumulation:
         raise ValueError("accumulate_mask needs fuse_wgrad_accumulation=True")
     # Checked here, not when backward (or wgrad_store.compute()) first writes main_grad.
-    if accumulate_mask is not None:
-        check_tensor("accumulate_mask", accumulate_mask, 1, dtypes=(torch.bool,))
-        if accumulate_mask.shape[0] != w1.shape[0]:
-            raise ValueError(f"accumulate_mask must have shape ({w1.shape[0]},), one entry per "
-                             f"expert, got {tuple(accumulate_mask.shape)}")
-        check_same_device("w1", w1, accumulate_mask=accumulate_mask)
+    check_accumulate_mask(accumulate_mask, w1.shape[0])
+    check_same_device("w1", w1, accumulate_mask=accumulate_mask)
     for name, w in (("w1", w1), ("w2", w2)):
         if fuse_wgrad_accumulation:
             main_grad = getattr(w, "main_grad", None)

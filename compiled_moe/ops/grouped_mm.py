@@ -188,6 +188,16 @@ _grouped_mm_wgrad.register_autograd(_wgrad_backward, setup_context=_wgrad_setup)
 # ---------------------------------------------------------------------------- in-place wgrad
 
 
+def check_accumulate_mask(accumulate_mask, num_groups: int) -> None:
+    """accumulate_mask: None, or bool (G,), one entry per group."""
+    if accumulate_mask is None:
+        return
+    check_tensor("accumulate_mask", accumulate_mask, 1, dtypes=(torch.bool,))
+    if accumulate_mask.shape[0] != num_groups:
+        raise ValueError(f"accumulate_mask must have shape ({num_groups},), one entry per group, "
+                         f"got {tuple(accumulate_mask.shape)}")
+
+
 def _check_wgrad_accumulate(main_grad, a, grad_out, offs, accumulate_mask) -> None:
     check_tensor("main_grad", main_grad, 3)
     # (1: some elements share memory, e.g. an expanded tensor: the kernels' tiles would race)
@@ -200,11 +210,7 @@ def _check_wgrad_accumulate(main_grad, a, grad_out, offs, accumulate_mask) -> No
     if tuple(main_grad.shape) != expected:
         raise ValueError(f"main_grad must have shape (G, K, N) = {expected} (pass a (G, N, K) "
                          f"buffer as main_grad.transpose(-2, -1)), got {tuple(main_grad.shape)}")
-    if accumulate_mask is not None:
-        check_tensor("accumulate_mask", accumulate_mask, 1, dtypes=(torch.bool,))
-        if accumulate_mask.shape[0] != main_grad.shape[0]:
-            raise ValueError(f"accumulate_mask must have shape ({main_grad.shape[0]},), "
-                             f"got {tuple(accumulate_mask.shape)}")
+    check_accumulate_mask(accumulate_mask, main_grad.shape[0])
 
 
 @torch.library.triton_op("compiled_moe::grouped_mm_wgrad_accumulate_", mutates_args=("main_grad",))
