@@ -14,7 +14,7 @@ from compiled_moe import ops as _ops  # noqa: F401  (registers torch.ops.compile
 from compiled_moe.reference import counts_to_offsets, offsets_to_counts
 from compiled_moe.experts import moe_experts
 from compiled_moe.mlp import WeightGradStore, moe_mlp
-from compiled_moe.fp8 import FP8_RECIPES, fp8_grouped_mm, quantize_weight
+from compiled_moe.fp8 import FP8_RECIPES, fp8_activation_grouped_mm, fp8_grouped_mm, quantize_weight
 from compiled_moe.modules import GroupedLinear, MoEExperts
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "grouped_quantize",
     "scaled_grouped_mm",
     "scaled_grouped_mm_wgrad",
+    "fp8_activation_grouped_mm",
     "fp8_grouped_mm",
     "quantize_weight",
 ]

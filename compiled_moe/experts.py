@@ -16,6 +16,7 @@ from torch import Tensor
 
 from compiled_moe.reference import (ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS,
                                     GPT_OSS_ALPHA, GPT_OSS_LIMIT, check_recipe)
+from compiled_moe.fp8 import fp8_activation_grouped_mm
 from compiled_moe.kernels.configs import fp8_group_rows, mlp_gathers_input
 from compiled_moe.mlp import (_needs_grad, activation_constants, apply_activation,
                               check_fp8_weights, grouped_linear)
@@ -139,9 +140,12 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
     offs, row_of, source = torch.ops.compiled_moe.moe_route(topk_ids, num_experts, pad)
     x = torch.ops.compiled_moe.moe_permute(hidden, row_of, source)
     h = grouped_linear(x, w1, offs, b1, fp8_recipe, w1_fp8)
-    if callable(activation):
-        a = activation(h)
+    if fp8_recipe is not None and not callable(activation):  # FC2's FP8 input in one pass over h
+        y = fp8_activation_grouped_mm(h, w2.transpose(-2, -1), offs, activation=activation,
+                                      gate_up_layout=gate_up_layout, recipe=fp8_recipe, bias=b2,
+                                      weight_fp8=w2_fp8, alpha=alpha, limit=limit)
     else:
-        a = apply_activation(h, activation, gate_up_layout, alpha, limit)
-    y = grouped_linear(a, w2, offs, b2, fp8_recipe, w2_fp8)
+        a = activation(h) if callable(activation) else apply_activation(
+            h, activation, gate_up_layout, alpha, limit)
+        y = grouped_linear(a, w2, offs, b2, fp8_recipe, w2_fp8)
     return torch.ops.compiled_moe.moe_unpermute(y, row_of, source, topk_weights)

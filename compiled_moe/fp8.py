@@ -17,7 +17,14 @@ import torch
 from torch import Tensor
 
 from compiled_moe.ops._dispatch import check_tensor, is_transposed_weight
-from compiled_moe.reference import FP8_RECIPES, check_recipe
+from compiled_moe.ops.activations import activation_constants
+from compiled_moe.reference import (
+    FP8_RECIPES,
+    GPT_OSS_ALPHA,
+    GPT_OSS_LIMIT,
+    check_recipe,
+    scale_rows,
+)
 
 
 def _quantize(x, offs, recipe, rowwise, columnwise):
@@ -65,31 +72,105 @@ class _FP8GroupedMM(torch.autograd.Function):
         out = torch.ops.compiled_moe.scaled_grouped_mm(a_q, w_q.mT, a_s, w_s, offs, recipe,
                                                        a.dtype, bias)
         ctx.save_for_backward(a_col, a_col_s, w_col, w_col_s, offs)
-        ctx.recipe, ctx.a_dtype, ctx.b_dtype = recipe, a.dtype, b.dtype
-        ctx.b_transposed = is_transposed_weight(b)
-        ctx.bias_dtype = None if bias is None else bias.dtype
+        _save_weight_args(ctx, a, b, bias, recipe)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         a_col, a_col_s, w_col, w_col_s, offs = ctx.saved_tensors
-        need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        g_q, g_s, g_col, g_col_s = _quantize(grad.to(ctx.a_dtype), offs, ctx.recipe, need_a,
-                                             need_b)
-        grad_a = grad_b = grad_bias = None
-        if need_a:
-            # dgrad: grad (M, N) @ W (N, K); w_col (G, K, N) is W's columnwise data.
-            grad_a = torch.ops.compiled_moe.scaled_grouped_mm(g_q, w_col.mT, g_s, w_col_s, offs,
-                                                              ctx.recipe, ctx.a_dtype)
-        if need_b and ctx.b_transposed:  # (G, N, K), the weight's own storage order
-            grad_b = torch.ops.compiled_moe.scaled_grouped_mm_wgrad(
-                g_col, a_col, g_col_s, a_col_s, offs, ctx.recipe, ctx.b_dtype).mT
-        elif need_b:
-            grad_b = torch.ops.compiled_moe.scaled_grouped_mm_wgrad(
-                a_col, g_col, a_col_s, g_col_s, offs, ctx.recipe, ctx.b_dtype)
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:  # from the unquantized grad
-            grad_bias = torch.ops.compiled_moe.grouped_sum(grad, offs, out_dtype=ctx.bias_dtype)
+        grad_a, grad_b, grad_bias = _backward(ctx, grad, a_col, a_col_s, w_col, w_col_s, offs,
+                                              ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                                              ctx.needs_input_grad[3])
         return grad_a, grad_b, None, grad_bias, None, None
+
+
+def _save_weight_args(ctx, a, b, bias, recipe) -> None:
+    ctx.recipe, ctx.a_dtype, ctx.b_dtype = recipe, a.dtype, b.dtype
+    ctx.b_transposed = is_transposed_weight(b)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _backward(ctx, grad, a_col, a_col_s, w_col, w_col_s, offs, need_a, need_b, need_bias):
+    """(grad of a, of b, of bias) of out = a @ b[g] (+ bias[g]) in FP8, from the columnwise data
+    of a and of the weight (None where not needed)."""
+    g_q, g_s, g_col, g_col_s = _quantize(grad.to(ctx.a_dtype), offs, ctx.recipe, need_a, need_b)
+    grad_a = grad_b = grad_bias = None
+    if need_a:
+        # dgrad: grad (M, N) @ W (N, K); w_col (G, K, N) is W's columnwise data.
+        grad_a = torch.ops.compiled_moe.scaled_grouped_mm(g_q, w_col.mT, g_s, w_col_s, offs,
+                                                          ctx.recipe, ctx.a_dtype)
+    if need_b and ctx.b_transposed:  # (G, N, K), the weight's own storage order
+        grad_b = torch.ops.compiled_moe.scaled_grouped_mm_wgrad(
+            g_col, a_col, g_col_s, a_col_s, offs, ctx.recipe, ctx.b_dtype).mT
+    elif need_b:
+        grad_b = torch.ops.compiled_moe.scaled_grouped_mm_wgrad(
+            a_col, g_col, a_col_s, g_col_s, offs, ctx.recipe, ctx.b_dtype)
+    if ctx.bias_dtype is not None and need_bias:  # from the unquantized grad
+        grad_bias = torch.ops.compiled_moe.grouped_sum(grad, offs, out_dtype=ctx.bias_dtype)
+    return grad_a, grad_b, grad_bias
+
+
+class _FP8ActivationGroupedMM(torch.autograd.Function):
+    """out = (act(h) (* probs)) @ b[g] (+ bias[g]) in FP8: FC2 of the FP8 MLP, its input quantized
+    both ways straight from FC1's output h by moe_activation_quantize. Keeps h (the activation's
+    backward recomputes from it) and the activation's columnwise FP8 data."""
+
+    @staticmethod
+    def forward(ctx, h, b, offs, probs, bias, recipe, weight_fp8, activation, gate_up_layout,
+                constants):
+        need_b = ctx.needs_input_grad[1]
+        a_q, a_s, a_col, a_col_s = torch.ops.compiled_moe.moe_activation_quantize(
+            h, offs, activation, gate_up_layout, recipe, probs, True, need_b, **constants)
+        if weight_fp8 is None:
+            weight_fp8 = _quantize(b.mT, None, recipe, True,
+                                   ctx.needs_input_grad[0] or ctx.needs_input_grad[3])
+        w_q, w_s, w_col, w_col_s = weight_fp8
+        out = torch.ops.compiled_moe.scaled_grouped_mm(a_q, w_q.mT, a_s, w_s, offs, recipe,
+                                                       h.dtype, bias)
+        ctx.save_for_backward(h, probs, a_col, a_col_s, w_col, w_col_s, offs)
+        _save_weight_args(ctx, h, b, bias, recipe)
+        ctx.activation = (activation, gate_up_layout)
+        ctx.constants = constants
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, probs, a_col, a_col_s, w_col, w_col_s, offs = ctx.saved_tensors
+        need_h, need_b, _, need_probs, need_bias = ctx.needs_input_grad[:5]
+        grad_a, grad_b, grad_bias = _backward(ctx, grad, a_col, a_col_s, w_col, w_col_s, offs,
+                                              need_h or need_probs, need_b, need_bias)
+        grad_h = grad_probs = None
+        if grad_a is not None:
+            if probs is not None:  # a = act(h) * probs
+                if need_probs:
+                    act = torch.ops.compiled_moe.moe_activation(h, *ctx.activation,
+                                                                **ctx.constants)
+                    grad_probs = (grad_a.float() * act.float()).sum(1).to(probs.dtype)
+                grad_a = scale_rows(grad_a, probs)
+            if need_h:
+                grad_h = torch.ops.compiled_moe.moe_activation_backward(
+                    grad_a, h, *ctx.activation, **ctx.constants)
+        return grad_h, grad_b, None, grad_probs, grad_bias, None, None, None, None, None
+
+
+def fp8_activation_grouped_mm(h: Tensor, b: Tensor, offs: Tensor, *, activation: str,
+                              gate_up_layout: str = "stacked", probs: Tensor | None = None,
+                              recipe: str = "fp8_blockwise", bias: Tensor | None = None,
+                              weight_fp8: tuple | None = None, alpha: float = GPT_OSS_ALPHA,
+                              limit: float = GPT_OSS_LIMIT) -> Tensor:
+    """``fp8_grouped_mm(scaled_activation(h, activation, gate_up_layout, probs), b, offs, ...)``
+    with the activation's FP8 data and scales made in one pass over h (FC2 of an FP8 expert MLP:
+    a in h's dtype is neither written nor kept). Differentiable in h, b, probs and bias; the
+    arguments as for fp8_grouped_mm and moe_mlp."""
+    check_recipe(recipe)
+    check_tensor("h", h, 2)
+    check_tensor("b", b, 3)
+    if weight_fp8 is not None:
+        _check_weight_fp8(weight_fp8, b, recipe)
+        weight_fp8 = tuple(weight_fp8)
+    return _FP8ActivationGroupedMM.apply(h, b, offs, probs, bias, recipe, weight_fp8, activation,
+                                         gate_up_layout,
+                                         activation_constants(activation, alpha, limit))
 
 
 def fp8_grouped_mm(a: Tensor, b: Tensor, offs: Tensor, *, recipe: str = "fp8_blockwise",
@@ -130,4 +211,4 @@ def fp8_grouped_mm(a: Tensor, b: Tensor, offs: Tensor, *, recipe: str = "fp8_blo
     return _FP8GroupedMM.apply(a, b, offs, bias, recipe, weight_fp8)
 
 
-__all__ = ["FP8_RECIPES", "fp8_grouped_mm", "quantize_weight"]
+__all__ = ["FP8_RECIPES", "fp8_activation_grouped_mm", "fp8_grouped_mm", "quantize_weight"]

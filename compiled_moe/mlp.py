@@ -9,9 +9,10 @@ from typing import Callable
 import torch
 from torch import Tensor, is_grad_enabled
 
-from compiled_moe.fp8 import fp8_grouped_mm
+from compiled_moe.fp8 import fp8_activation_grouped_mm, fp8_grouped_mm
 from compiled_moe.ops import moe_mlp as mlp_ops
 from compiled_moe.ops._dispatch import check_same_device, check_tensor
+from compiled_moe.ops.activations import activation_constants
 from compiled_moe.ops.grouped_mm import check_accumulate_mask
 from compiled_moe.reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, check_recipe
 
@@ -20,15 +21,6 @@ def _needs_grad(*tensors: Tensor | None) -> bool:
     # is_grad_enabled by name: a traced frame that reaches `torch` through two modules' globals
     # (this one's and experts.py's) gets a Python-level guard that they are the same object.
     return is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def activation_constants(activation: str, alpha: float, limit: float) -> dict:
-    """alpha/limit keyword arguments for an op call, empty when they are the schema defaults:
-    no Python floats then reach the graph, which torch.compile (dynamic=True) would otherwise
-    trace as symbolic inputs and restart its analysis for."""
-    if activation != "gpt_oss" or (alpha == GPT_OSS_ALPHA and limit == GPT_OSS_LIMIT):
-        return {}
-    return {"alpha": alpha, "limit": limit}
 
 
 def apply_activation(h: Tensor, activation: str, gate_up_layout: str, alpha: float,
@@ -237,14 +229,15 @@ def moe_mlp(x_sorted: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, *, activatio
 
 def _fp8_mlp(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, alpha, limit,
              training_options, fp8_recipe, w1_fp8, w2_fp8):
-    """moe_mlp with FP8 GEMMs: FC1, the activation (* probs) in x's dtype, FC2."""
+    """moe_mlp with FP8 GEMMs: FC1, then FC2 on the activation (* probs) of FC1's output,
+    quantized in one pass over it (fp8_activation_grouped_mm)."""
     check_recipe(fp8_recipe)
     if training_options:
         raise ValueError("fp8_recipe does not combine with fuse_wgrad_accumulation, "
                          "accumulate_mask or wgrad_store yet")
     mlp_ops.check_inputs(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2)
     h = grouped_linear(x, w1, offs, b1, fp8_recipe, w1_fp8)
-    a = apply_activation(h, activation, gate_up_layout, alpha, limit)
-    if probs is not None:
-        a = a * probs[:, None].to(a.dtype)
-    return grouped_linear(a, w2, offs, b2, fp8_recipe, w2_fp8)
+    return fp8_activation_grouped_mm(h, w2.transpose(-2, -1), offs, activation=activation,
+                                     gate_up_layout=gate_up_layout, probs=probs,
+                                     recipe=fp8_recipe, bias=b2, weight_fp8=w2_fp8, alpha=alpha,
+                                     limit=limit)

@@ -291,11 +291,23 @@ def moe_mlp(x: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, name: str,
     """
     xs = x if source is None else moe_permute(x, source, top_k)
     h = grouped_mm(xs, w1.transpose(-2, -1), offs, b1)
-    a = activation(h, name, gate_up_layout, alpha, limit)
-    if probs is not None:
-        cdt = _compute_dtype(a.dtype)
-        a = (a.to(cdt) * probs.to(cdt)[:, None]).to(a.dtype)
+    a = scaled_activation(h, name, gate_up_layout, probs, alpha, limit)
     return grouped_mm(a, w2.transpose(-2, -1), offs, b2), h
+
+
+def scaled_activation(h: Tensor, name: str, gate_up_layout: str = "stacked",
+                      probs: Tensor | None = None, alpha: float = GPT_OSS_ALPHA,
+                      limit: float = GPT_OSS_LIMIT) -> Tensor:
+    """FC2's input: act(h) in h's dtype, then times probs (M,) (see scale_rows)."""
+    return scale_rows(activation(h, name, gate_up_layout, alpha, limit), probs)
+
+
+def scale_rows(a: Tensor, probs: Tensor | None) -> Tensor:
+    """a * probs[:, None] computed in fp32 (fp64 for fp64 a) and rounded to a's dtype."""
+    if probs is None:
+        return a
+    cdt = _compute_dtype(a.dtype)
+    return (a.to(cdt) * probs.to(cdt)[:, None]).to(a.dtype)
 
 
 def moe_mlp_fc2_dgrad(dy: Tensor, w2: Tensor, h: Tensor, offs: Tensor, probs: Tensor | None,
@@ -462,6 +474,15 @@ def grouped_quantize(x: Tensor, offs: Tensor | None, recipe: str, rowwise: bool 
             col_data, col_scale = _quantize_group_columns(x, offs, recipe)
     return (empty8 if data is None else data, empty_s if scale is None else scale,
             empty8 if col_data is None else col_data, empty_s if col_scale is None else col_scale)
+
+
+def activation_quantize(h: Tensor, offs: Tensor, name: str, gate_up_layout: str, recipe: str,
+                        probs: Tensor | None = None, rowwise: bool = True,
+                        columnwise: bool = False, alpha: float = GPT_OSS_ALPHA,
+                        limit: float = GPT_OSS_LIMIT) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """FC2's FP8 input from FC1's output: grouped_quantize of scaled_activation(h)."""
+    return grouped_quantize(scaled_activation(h, name, gate_up_layout, probs, alpha, limit), offs,
+                            recipe, rowwise, columnwise)
 
 
 def fp8_column_slot_of_rows(offs: Tensor, num_rows, recipe: str) -> Tensor:

@@ -247,6 +247,111 @@ struct Item {
   int slot, tile, row0, rows, col0, cols;  // rows <= 128 of the slot, cols <= 128 inside K
 };
 
+// --------------------------------------------------------------------------- the activation
+
+// The ACTIVATE kernels read FC1's output h and quantize a = act(h) (* probs), FC2's input: a
+// stage holds the item's gate and up columns of h (two pieces of 128 columns; one for the
+// activations without gate), and the team first writes a over the first piece, in x's dtype,
+// then quantizes it as any other tile. What a is: compiled_moe/reference.py's activation,
+// rounded to x's dtype, then times probs in fp32 and rounded again (reference.moe_mlp's a).
+struct Activation {
+  int code;             // kernels/activations.py's CODES: swiglu geglu gpt_oss relu2 gelu silu
+  int interleaved;      // gated: columns g0 u0 g1 u1 ... instead of [gate | up]
+  const float* probs;   // (M,), or null
+  float alpha, limit;   // gpt_oss's constants
+  __device__ __forceinline__ bool gated() const { return code <= 2; }
+};
+
+__device__ __forceinline__ float sigmoid_rn(float x) { return __fdiv_rn(1.0f, 1.0f + expf(-x)); }
+
+// act(g, u) in fp32 (u unused by the activations without gate). NaN stays NaN, as in torch.
+template <int CODE>
+__device__ __forceinline__ float activate(float g, float u, float alpha, float limit) {
+  if (CODE == 0) return g * sigmoid_rn(g) * u;  // swiglu
+  if (CODE == 1) {                              // geglu (tanh gelu)
+    const float z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    return 0.5f * g * (1.0f + tanhf(z)) * u;
+  }
+  if (CODE == 2) {  // gpt_oss: gate clamped above, up both ways
+    const float gc = g > limit ? limit : g;
+    const float uc = u > limit ? limit : (u < -limit ? -limit : u);
+    return gc * sigmoid_rn(alpha * gc) * (uc + 1.0f);
+  }
+  if (CODE == 3) {  // relu2 (exact: the square of a 16-bit value fits fp32's significand)
+    const float r = g < 0.0f ? 0.0f : g;
+    return r * r;
+  }
+  if (CODE == 4) return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f));  // gelu (erf)
+  return g * sigmoid_rn(g);                                                  // silu
+}
+
+// Warp wi writes a over rows 16 wi .. 16 wi + 15 of the stage's first piece: lane l takes
+// row 2 i + l / 16 (i = 0..7) and output columns 8 q .. 8 q + 7, q = l % 16. Interleaved, those
+// come from 16 columns of h (piece q / 8); each row's values are all loaded before any of
+// its lanes stores (a 16-lane row reads what it overwrites). Rows past the item and columns
+// past K compute on stale values, which the quantizer's loads mask.
+template <int DT, int CODE>
+__device__ __forceinline__ void activate_rows(unsigned char* stage, int piece_bytes, const Item& it,
+                                              int wi, int lane, const Activation& act) {
+  using S = Stage<DT>;
+  const int q = lane & 15;
+#pragma unroll 2
+  for (int i = 0; i < 8; ++i) {
+    const int r = 16 * wi + 2 * i + (lane >> 4);
+    unsigned char* row = stage + S::row_offset(r);
+    float g[8], u[8];
+    if (CODE <= 2 && act.interleaved) {
+      Values<DT, 8> lo, hi;
+      const unsigned char* src = row + (q >> 3) * piece_bytes + (q & 7) * 32;
+      lo.load_shared(src, true);
+      hi.load_shared(src + 16, true);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        g[j] = lo[2 * j], u[j] = lo[2 * j + 1];
+        g[4 + j] = hi[2 * j], u[4 + j] = hi[2 * j + 1];
+      }
+    } else {
+      Values<DT, 8> gv, uv;
+      gv.load_shared(row + 16 * q, true);
+      if (CODE <= 2) uv.load_shared(row + piece_bytes + 16 * q, true);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) g[j] = gv[j], u[j] = CODE <= 2 ? uv[j] : 0.0f;
+    }
+    const bool scaled = act.probs != nullptr;
+    const float p = scaled && r < it.rows ? act.probs[it.row0 + r] : 1.0f;
+    u32 out[4];
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) {
+      float v0 = activate<CODE>(g[j], u[j], act.alpha, act.limit);
+      float v1 = activate<CODE>(g[j + 1], u[j + 1], act.alpha, act.limit);
+      if (scaled) {  // a rounded to x's dtype, then times probs
+        const float2 a = unpack_pair(pack_half2(DT, v0, v1), DT);
+        v0 = a.x * p, v1 = a.y * p;
+      }
+      out[j / 2] = pack_half2(DT, v0, v1);
+    }
+    __syncwarp();
+    *reinterpret_cast<uint4*>(row + 16 * q) = make_uint4(out[0], out[1], out[2], out[3]);
+  }
+}
+
+// The team's 8 warps turn the stage into a, then wait for each other (the quantizer's column
+// pass reads every warp's rows).
+template <int DT>
+__device__ __forceinline__ void activate_item(unsigned char* stage, int piece_bytes, const Item& it,
+                                              int wi, int lane, int team, const Activation& act) {
+  switch (act.code) {
+    case 0: activate_rows<DT, 0>(stage, piece_bytes, it, wi, lane, act); break;
+    case 1: activate_rows<DT, 1>(stage, piece_bytes, it, wi, lane, act); break;
+    case 2: activate_rows<DT, 2>(stage, piece_bytes, it, wi, lane, act); break;
+    case 3: activate_rows<DT, 3>(stage, piece_bytes, it, wi, lane, act); break;
+    case 4: activate_rows<DT, 4>(stage, piece_bytes, it, wi, lane, act); break;
+    default: activate_rows<DT, 5>(stage, piece_bytes, it, wi, lane, act); break;
+  }
+  asm volatile("bar.sync %0, %1;" ::"r"(1 + team), "r"(32 * TEAM_WARPS) : "memory");
+}
+
+
 // Warp `wi` quantizes 16 rows and 16 columns of an item's tile, in two parts that share nothing
 // but the stage.
 //
@@ -454,15 +559,19 @@ __device__ __forceinline__ void quantize_item(
 // item's rows there (16-byte cp.async, each lane's copies arriving on the stage's mbarrier);
 // team k % TEAMS quantizes the CTA's k-th item and releases its stage. No block-wide barrier
 // in the loop: warps drift apart by up to the ring's depth.
-template <int DT, typename Scale, bool ROWWISE, int TEAMS>
+//
+// ACTIVATE: x is FC1's output h (K = the activation's columns), and a = act(h) (* probs) is
+// quantized; a stage holds the item's pieces of h (see Activation).
+template <int DT, typename Scale, bool ROWWISE, int TEAMS, bool ACTIVATE>
 __device__ void quantize_group_columns(
     const void* __restrict__ x_, long long ldx, const int* __restrict__ offs, int M, int K, int G,
     int S, int slot_group, int stages, unsigned char* __restrict__ col_q, long long ldcq,
     void* __restrict__ col_s, long long lds, unsigned char* __restrict__ row_q, long long ldrq,
-    void* __restrict__ row_s, long long ldrs) {
+    void* __restrict__ row_s, long long ldrs, const Activation act) {
   using St = Stage<DT>;
   extern __shared__ __align__(128) unsigned char smem[];
-  u64* full = reinterpret_cast<u64*>(smem + stages * St::BYTES);
+  const int pieces = ACTIVATE && act.gated() ? 2 : 1, stage_bytes = pieces * St::BYTES;
+  u64* full = reinterpret_cast<u64*>(smem + stages * stage_bytes);
   u64* empty = full + stages;
   Item* stage_item = reinterpret_cast<Item*>(empty + stages);  // each stage's item
   int* scratch = reinterpret_cast<int*>(stage_item + stages);
@@ -514,13 +623,21 @@ __device__ void quantize_group_columns(
         stage_item[s] = it;
         mbar_arrive_if(&full[s], true);  // (releases the item's words)
       }
-      unsigned char* dst = smem + s * St::BYTES + 16 * c + i0 * St::ROW_BYTES;
-      const char* src = x + (it.row0 + i0) * row_bytes + it.col0 * St::ESIZE;
-      if (16 * c < it.cols * St::ESIZE)
-        for (int r = 0; r < it.rows; r += 16, dst += St::GROUP_BYTES, src += 16 * row_bytes)
+      for (int p = 0; p < pieces; ++p) {
+        // piece p: columns [c0, c0 + n) of x (h: gate then up, stacked K apart or interleaved)
+        int c0 = it.col0, n = it.cols;
+        if (pieces == 2 && act.interleaved)
+          c0 = 2 * it.col0 + 128 * p, n = min(128, max(0, 2 * it.cols - 128 * p));
+        else if (pieces == 2)
+          c0 = it.col0 + p * K;
+        unsigned char* dst = smem + s * stage_bytes + p * St::BYTES + 16 * c + i0 * St::ROW_BYTES;
+        const char* src = x + (it.row0 + i0) * row_bytes + c0 * St::ESIZE;
+        if (16 * c < n * St::ESIZE)
+          for (int r = 0; r < it.rows; r += 16, dst += St::GROUP_BYTES, src += 16 * row_bytes)
 #pragma unroll
-          for (int i = 0; i < 16; i += ROWS_PER_STEP)
-            if (r + i0 + i < it.rows) cp_async_16(dst + i * St::ROW_BYTES, src + i * row_bytes);
+            for (int i = 0; i < 16; i += ROWS_PER_STEP)
+              if (r + i0 + i < it.rows) cp_async_16(dst + i * St::ROW_BYTES, src + i * row_bytes);
+      }
       asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(&full[s]))
                    : "memory");
     }
@@ -531,9 +648,10 @@ __device__ void quantize_group_columns(
   for (long long w = blockIdx.x + (long long)team * gridDim.x; w < items;
        w += (long long)TEAMS * gridDim.x, k += TEAMS) {
     const int s = k % stages;
-    const unsigned char* stage = smem + s * St::BYTES;
+    unsigned char* stage = smem + s * stage_bytes;
     mbar_wait_sleep(&full[s], (k / stages) & 1);
     const Item it = stage_item[s];
+    if (ACTIVATE) activate_item<DT>(stage, St::BYTES, it, wi % TEAM_WARPS, lane, team, act);
     quantize_item<DT, Scale, ROWWISE>(stage, it, wi % TEAM_WARPS, lane, col_q, ldcq, col_s, lds,
                                       row_q, ldrq, row_s, ldrs);
     __syncwarp();
@@ -548,9 +666,9 @@ __device__ void quantize_group_columns(
       const void* x, long long ldx, const int* offs, int M, int K, int G, int S,               \
       int slot_group, int stages, unsigned char* col_q, long long ldcq, void* col_s,           \
       long long lds, unsigned char* row_q, long long ldrq, void* row_s, long long ldrs) {      \
-    quantize_group_columns<DT, SCALE, ROWWISE, TEAMS>(x, ldx, offs, M, K, G, S, slot_group,    \
-                                                      stages, col_q, ldcq, col_s, lds, row_q,  \
-                                                      ldrq, row_s, ldrs);                      \
+    quantize_group_columns<DT, SCALE, ROWWISE, TEAMS, false>(                                  \
+        x, ldx, offs, M, K, G, S, slot_group, stages, col_q, ldcq, col_s, lds, row_q, ldrq,     \
+        row_s, ldrs, Activation{});                                                            \
   }
 
 #define QUANTIZE_KERNELS(SUFFIX, DT, TEAMS)                                                \
@@ -560,3 +678,19 @@ __device__ void quantize_group_columns(
 QUANTIZE_KERNELS(bf16, DT_BF16, 2)
 QUANTIZE_KERNELS(f16, DT_F16, 2)
 QUANTIZE_KERNELS(f32, DT_F32, 1)
+
+// FC2's input from FC1's output h (M, 2K gated, or K): a = act(h) (* probs) quantized both ways.
+// 16-bit h only (two 66 KB stages of fp32 h would leave the ring too shallow).
+#define ACTIVATE_QUANTIZE_KERNEL(NAME, DT)                                                      \
+  extern "C" __global__ void __launch_bounds__(32 * (TEAM_WARPS * 2 + 1), 1) NAME(              \
+      const void* h, long long ldh, const int* offs, int M, int K, int G, int S,               \
+      int slot_group, int stages, unsigned char* col_q, long long ldcq, void* col_s,           \
+      long long lds, unsigned char* row_q, long long ldrq, void* row_s, long long ldrs,        \
+      int code, int interleaved, const float* probs, float alpha, float limit) {               \
+    quantize_group_columns<DT, ScaleF32, true, 2, true>(                                       \
+        h, ldh, offs, M, K, G, S, slot_group, stages, col_q, ldcq, col_s, lds, row_q, ldrq,     \
+        row_s, ldrs, Activation{code, interleaved, probs, alpha, limit});                      \
+  }
+
+ACTIVATE_QUANTIZE_KERNEL(activate_quantize_fp8_blockwise_bf16, DT_BF16)
+ACTIVATE_QUANTIZE_KERNEL(activate_quantize_fp8_blockwise_f16, DT_F16)

@@ -536,6 +536,100 @@ def test_moe_mlp_fp8_close_to_high_precision(activation, layout, extras):
             assert rel < 0.1, (recipe, rel)
 
 
+ACTIVATION_CASES = [("swiglu", "stacked"), ("gpt_oss", "interleaved"), ("geglu", "interleaved"),
+                    ("relu2", "stacked"), ("silu", "stacked"), ("gelu", "stacked")]
+
+
+def _fp8_bytes(t):
+    return t.view(torch.uint8) if t.dtype == R.FP8_DTYPE else t
+
+
+@pytest.mark.parametrize("activation, layout", ACTIVATION_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_moe_activation_quantize_is_the_quantized_activation(activation, layout, dtype):
+    """moe_activation_quantize(h) == grouped_quantize(scaled_activation(h)), every recipe and
+    direction; col_data keeps the kernels' padded rows."""
+    gen = torch.Generator().manual_seed(12)
+    M, I, G = 150, 160, 4
+    n1 = 2 * I if activation in R.GATED_ACTIVATIONS else I
+    h = (3 * torch.randn(M, n1, generator=gen)).to(dtype)
+    offs = random_offsets(M, G, generator=gen, empty_groups=1, tail=7)
+    for recipe in RECIPES:
+        for probs in (None, torch.rand(M, generator=gen)):
+            for directions in ((True, True), (True, False), (False, True)):
+                got = torch.ops.compiled_moe.moe_activation_quantize(
+                    h, offs, activation, layout, recipe, probs, *directions)
+                a = R.scaled_activation(h, activation, layout, probs)
+                want = R.grouped_quantize(a, offs, recipe, *directions)
+                if directions[1]:
+                    assert got[2].stride(0) == -(-M // 16) * 16
+                    got = (got[0], got[1], got[2][:, :M], got[3])
+                for g, w in zip(got, want):
+                    assert g.dtype == w.dtype and torch.equal(_fp8_bytes(g), _fp8_bytes(w))
+
+
+def test_scaled_activation_oracle():
+    """scaled_activation: the activation rounded to h's dtype, then times probs, rounded again."""
+    h = torch.tensor([[1.0, -2.0, 0.5, 3.0]], dtype=torch.bfloat16)
+    probs = torch.tensor([0.3])
+    g, u = h.double()[:, :2], h.double()[:, 2:]
+    act = (g / (1 + torch.exp(-g)) * u).to(torch.bfloat16)
+    want = (act.double() * 0.3).to(torch.bfloat16)
+    assert torch.equal(R.scaled_activation(h, "swiglu", "stacked", probs), want)
+
+
+@pytest.mark.parametrize("activation, layout", [("swiglu", "stacked"), ("gpt_oss", "interleaved"),
+                                                ("relu2", "stacked")])
+def test_fp8_activation_grouped_mm_is_the_composition(activation, layout):
+    """fp8_activation_grouped_mm(h, ...) == fp8_grouped_mm(scaled_activation(h), ...) forward
+    (bitwise), and its gradients of h, b, probs and bias against autograd of that composition."""
+    gen = torch.Generator().manual_seed(13)
+    M, H, I, G = 96, 64, 128, 3
+    n1 = 2 * I if activation in R.GATED_ACTIVATIONS else I
+    offs = random_offsets(M, G, generator=gen, empty_groups=1, tail=4)
+    base = {"h": 2 * torch.randn(M, n1, generator=gen), "w": torch.randn(G, H, I, generator=gen),
+            "probs": torch.rand(M, generator=gen), "bias": torch.randn(G, H, generator=gen)}
+    grad = torch.randn(M, H, generator=gen)
+    for recipe in RECIPES:
+        ins = [{k: v.clone().requires_grad_(True) for k, v in base.items()} for _ in range(2)]
+        got = cm.fp8_activation_grouped_mm(ins[0]["h"], ins[0]["w"].mT, offs,
+                                           activation=activation, gate_up_layout=layout,
+                                           probs=ins[0]["probs"], recipe=recipe,
+                                           bias=ins[0]["bias"])
+        a = R.scaled_activation(ins[1]["h"], activation, layout, ins[1]["probs"])
+        want = cm.fp8_grouped_mm(a, ins[1]["w"].mT, offs, recipe=recipe, bias=ins[1]["bias"])
+        assert torch.equal(got, want)
+        got.backward(grad)
+        want.backward(grad)
+        for k in base:
+            torch.testing.assert_close(ins[0][k].grad, ins[1][k].grad, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{recipe} {k}: {m}")
+
+
+def test_moe_activation_quantize_bad_inputs():
+    h = torch.randn(8, 64)
+    offs = torch.tensor([4, 8], dtype=torch.int32)
+    op = torch.ops.compiled_moe.moe_activation_quantize
+    with pytest.raises(ValueError, match="recipe"):
+        op(h, offs, "swiglu", "stacked", "fp4")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        op(h, offs, "tanh", "stacked", "fp8_blockwise")
+    with pytest.raises(ValueError, match="gate_up_layout"):
+        op(h, offs, "swiglu", "zigzag", "fp8_blockwise")
+    with pytest.raises(ValueError, match="even number of columns"):
+        op(h[:, :63], offs, "swiglu", "stacked", "fp8_blockwise")
+    with pytest.raises(ValueError, match="h must be 2-D"):
+        op(h[0], offs, "swiglu", "stacked", "fp8_blockwise")
+    with pytest.raises(TypeError, match="offs must be int32"):
+        op(h, offs.long(), "swiglu", "stacked", "fp8_blockwise")
+    with pytest.raises(ValueError, match="probs"):
+        op(h, offs, "swiglu", "stacked", "fp8_blockwise", torch.rand(7))
+    with pytest.raises(ValueError, match="rowwise and/or columnwise"):
+        op(h, offs, "swiglu", "stacked", "fp8_blockwise", None, False, False)
+    with pytest.raises(ValueError, match="b must be 3-D"):
+        cm.fp8_activation_grouped_mm(h, torch.randn(32, 16), offs, activation="swiglu")
+
+
 def test_moe_mlp_fp8_bad_inputs():
     x, w1, w2 = torch.randn(8, 32), torch.randn(2, 64, 32), torch.randn(2, 32, 32)
     offs = torch.tensor([3, 8], dtype=torch.int32)
@@ -630,11 +724,15 @@ def _opcheck_samples():
               torch.randn(G, N, generator=gen))),
             (torch.ops.compiled_moe.scaled_grouped_mm_wgrad.default,
              (xq[2], dq[2], xq[3], dq[3], offs, recipe, torch.float32)),
+            (torch.ops.compiled_moe.moe_activation_quantize.default,
+             (x, offs, "swiglu", "stacked", recipe, torch.rand(M, generator=gen), True, True)),
+            (torch.ops.compiled_moe.moe_activation_quantize.default,
+             (x, offs, "gpt_oss", "interleaved", recipe, None, True, False, 1.5, 6.0)),
         ]
     return samples
 
 
-@pytest.mark.parametrize("sample", range(15))
+@pytest.mark.parametrize("sample", range(21))
 def test_opcheck(sample):
     op, args = _opcheck_samples()[sample]
     utils = ["test_schema", "test_autograd_registration", "test_faketensor",

@@ -507,6 +507,102 @@ def test_moe_experts_fp8_compiled_no_sync(recipe):
     assert torch.isfinite(hidden.grad).all() and torch.isfinite(moe.gate_up_proj.grad).all()
 
 
+def _activation_cases():
+    """(M, I, G, offs): empty groups and rows past the last group, group starts off 16-row
+    boundaries, an I that ends in a part column tile, and M = 0."""
+    return [(5000, 768, 64, skewed_offsets(5000, 64, seed=7, empty_groups=6, tail=77)),
+            (4096 + 48, 2880, 16, skewed_offsets(4096 + 48, 16, seed=8, tail=48, multiple=16)),
+            (37, 200, 3, skewed_offsets(37, 3, seed=9, empty_groups=0, tail=5)),
+            (0, 256, 4, torch.zeros(4, dtype=torch.int32, device=DEV))]
+
+
+def _activation_quantize_both(h, offs, activation, layout, probs, monkeypatch):
+    """(the CUDA kernel's outputs, the activation op's then grouped_quantize's), checking that
+    the CUDA kernel ran."""
+    from compiled_moe.kernels import quantize_cuda
+
+    calls = []
+    launch = quantize_cuda.activate_quantize
+    monkeypatch.setattr(quantize_cuda, "activate_quantize",
+                        lambda *a, **k: calls.append(1) or launch(*a, **k))
+    torch.ops.compiled_moe.moe_activation_quantize(h, offs, activation, layout, "fp8_blockwise",
+                                                   probs, True, True)  # compiled, warm
+    poison_allocator(8 * h.numel())
+    with no_sync():
+        got = torch.ops.compiled_moe.moe_activation_quantize(h, offs, activation, layout,
+                                                             "fp8_blockwise", probs, True, True)
+    assert calls, "the CUDA kernel did not run"
+    a = torch.ops.compiled_moe.moe_activation(h, activation, layout)
+    want = torch.ops.compiled_moe.grouped_quantize(R.scale_rows(a, probs), offs,
+                                                   "fp8_blockwise", True, True)
+    return got, want
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_moe_activation_quantize_relu2_bitwise(dtype, with_probs, monkeypatch):
+    """The CUDA kernel against the activation kernel then the quantizer, bit for bit: relu2's
+    square of a 16-bit value is exact in fp32 in both, so every byte and scale must agree."""
+    for M, inter, G, offs in _activation_cases():
+        torch.manual_seed(M)
+        h = (torch.randn(M, inter, device=DEV) * 4).to(dtype)
+        probs = torch.rand(M, device=DEV) if with_probs else None
+        got, want = _activation_quantize_both(h, offs, "relu2", "stacked", probs, monkeypatch)
+        for g, w in zip(got, want):
+            _same(g, w)
+
+
+@pytest.mark.parametrize("activation, layout", [("swiglu", "stacked"), ("gpt_oss", "interleaved"),
+                                                ("geglu", "interleaved"), ("silu", "stacked"),
+                                                ("gelu", "stacked")])
+def test_moe_activation_quantize_close_to_the_activation_kernel(activation, layout, monkeypatch):
+    """The CUDA kernel's activation (libdevice exp, tanh, erf) against the Triton activation
+    kernel's: a may differ in the last bit of bf16, so a scale by one bf16 step of its block's
+    amax and a byte by one e4m3 step, and rarely."""
+    gated = activation in R.GATED_ACTIVATIONS
+    for M, inter, G, offs in _activation_cases():
+        torch.manual_seed(M + 1)
+        h = (torch.randn(M, 2 * inter if gated else inter, device=DEV) * 3).bfloat16()
+        probs = torch.rand(M, device=DEV)
+        got, want = _activation_quantize_both(h, offs, activation, layout, probs, monkeypatch)
+        for s_got, s_want in ((got[1], want[1]), (got[3], want[3])):
+            torch.testing.assert_close(s_got, s_want, rtol=2 ** -7, atol=0)
+        for (q, s), (q_ref, s_ref) in (((got[0], got[1]), (want[0], want[1])),):
+            v, v_ref = R.dequantize_rows(q, s, "fp8_blockwise"), R.dequantize_rows(q_ref, s_ref,
+                                                                                   "fp8_blockwise")
+            assert ((v - v_ref).abs() <= v_ref.abs() / 8 + s_ref.repeat_interleave(128, 1)[
+                :, :inter] * 2 ** -9).all()
+            assert (v != v_ref).float().mean() < 0.01
+        cols, cols_ref = (R.dequantize_columns(t[2][:, :M], t[3], offs, "fp8_blockwise")
+                          for t in (got, want))
+        assert ((cols - cols_ref).abs() <= cols_ref.abs() / 8 + 2 ** -9 * cols_ref.abs().amax()
+                ).all()
+        assert M == 0 or (cols != cols_ref).float().mean() < 0.01
+
+
+def test_moe_mlp_fp8_matches_the_composition_gpu():
+    """moe_mlp(fp8_recipe="fp8_blockwise"): FC2's input from the CUDA kernel; output and
+    gradients against the same MLP composed of fp8_grouped_mm and the activation op."""
+    M, H, I, G = 4096 + 48, 1024, 512, 16
+    torch.manual_seed(10)
+    offs = skewed_offsets(M, G, seed=10, tail=48, multiple=16)
+    base = {"x": torch.randn(M, H, device=DEV, dtype=torch.bfloat16),
+            "w1": (torch.randn(G, 2 * I, H, device=DEV) / H ** 0.5).bfloat16(),
+            "w2": (torch.randn(G, H, I, device=DEV) / I ** 0.5).bfloat16(),
+            "probs": torch.rand(M, device=DEV)}
+    dy = torch.randn(M, H, device=DEV, dtype=torch.bfloat16)
+    ins = [{k: v.clone().requires_grad_(True) for k, v in base.items()} for _ in range(2)]
+    got = cm.moe_mlp(ins[0]["x"], offs, ins[0]["w1"], ins[0]["w2"], probs=ins[0]["probs"],
+                     fp8_recipe="fp8_blockwise")
+    h = cm.fp8_grouped_mm(ins[1]["x"], ins[1]["w1"].mT, offs)
+    a = R.scale_rows(torch.ops.compiled_moe.moe_activation(h, "swiglu"), ins[1]["probs"])
+    want = cm.fp8_grouped_mm(a, ins[1]["w2"].mT, offs)
+    got.backward(dy)
+    want.backward(dy)
+    for g, w in [(got, want)] + [(ins[0][k].grad, ins[1][k].grad) for k in base]:
+        assert (g.float() - w.float()).norm() / w.float().norm() < 0.01
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_moe_mlp_fp8_gpu(recipe):
     """moe_mlp(fp8_recipe=...) on expert-sorted rows: no host sync, close to float64."""

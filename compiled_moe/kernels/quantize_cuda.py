@@ -5,10 +5,15 @@ and later GPUs (the e4m3 conversion instruction, mbarrier waits), when x's rows 
 aligned 8-column chunks (``supported``); with rowwise output too, the same launch writes the
 rowwise blocks (x is read once). Everything else runs the Triton kernels of ``kernels/quantize.py``.
 Both give the reference's bits.
+
+``activate_quantize`` runs the same kernel on FC1's output h: the stages hold h's gate and up
+columns, and each team writes a = act(h) (* probs) over them before quantizing it (FC2's FP8
+input, both ways, without a going through memory in x's dtype).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 
@@ -64,10 +69,10 @@ def stage_bytes(dtype: torch.dtype) -> int:
     return 8 * (16 * 128 * esize + 16 * esize)
 
 
-def shared_bytes(dtype: torch.dtype, stages: int, slots: int) -> int:
-    """A CTA's shared memory: the ring's stages with two mbarriers and an item (6 ints) each, 32
-    scan ints, the slot table."""
-    return stages * (stage_bytes(dtype) + 16 + 24) + 32 * 4 + (slots + 1) * 4
+def shared_bytes(dtype: torch.dtype, stages: int, slots: int, pieces: int = 1) -> int:
+    """A CTA's shared memory: the ring's stages (pieces tiles each) with two mbarriers and an
+    item (6 ints) each, 32 scan ints, the slot table."""
+    return stages * (pieces * stage_bytes(dtype) + 16 + 24) + 32 * 4 + (slots + 1) * 4
 
 
 def fits(x, recipe: str, slots: int) -> bool:
@@ -100,3 +105,51 @@ def quantize_group_columns(x, offs, col_q, col_s, row_q, row_s, recipe: str,
                          i32(max(1, slot_group or cfg.group_m)), i32(cfg.num_stages),
                          col_q, i64(col_q.stride(0)), col_s, i64(col_s.stride(0)),
                          rq, i64(rq.stride(0)), rs, i64(rs.stride(0)))
+
+
+_ACTIVATION_CODES = {"swiglu": 0, "geglu": 1, "gpt_oss": 2, "relu2": 3, "gelu": 4, "silu": 5}
+
+
+def activation_supported(h, recipe: str, activation: str) -> bool:
+    """``supported`` for FC1's output h: 16-bit only (two stages of fp32 gate and up tiles would
+    leave the ring one stage deep), and the activation's columns a multiple of 8 (the up piece
+    of stacked h starts 16-byte aligned)."""
+    if h.dtype == torch.float32 or not supported(h, recipe):
+        return False
+    gated = _ACTIVATION_CODES[activation] <= 2
+    return not gated or h.shape[1] % 16 == 0
+
+
+def activation_fits(h, activation: str, slots: int) -> bool:
+    pieces = 2 if _ACTIVATION_CODES[activation] <= 2 else 1
+    return shared_bytes(h.dtype, 2, slots, pieces) <= _SHARED_LIMIT
+
+
+def activate_quantize(h, offs, probs, activation: str, interleaved: bool, alpha: float,
+                      limit: float, col_q, col_s, row_q, row_s) -> None:
+    """a = act(h) (* probs, fp32 (M,)) quantized fp8_blockwise both ways into row_q (M, I) /
+    row_s and col_q (I, M) / col_s, as ``grouped_quantize(a, offs, "fp8_blockwise", True,
+    True)`` lays them out. The caller checked ``activation_supported``, ``aligned`` and
+    ``activation_fits``."""
+    M, inter = row_q.shape
+    if inter == 0:
+        return
+    code = _ACTIVATION_CODES[activation]
+    pieces = 2 if code <= 2 else 1
+    G, S = offs.shape[0], col_s.shape[1]
+    dev = h.device.index if h.device.index is not None else torch.cuda.current_device()
+    cfg = quantize_columns_cuda_config(pieces * stage_bytes(h.dtype),
+                                       shared_bytes(h.dtype, 0, S), True)
+    shared = shared_bytes(h.dtype, cfg.num_stages, S, pieces)
+    grid = max(1, min(cfg.ctas_per_sm * _num_sms(dev), S * -(-inter // 128)))
+    i32, i64 = native.int32, native.int64
+    native.launch_driver(
+        native.kernel("grouped_quantize", f"activate_quantize_fp8_blockwise_{_SUFFIX[h.dtype]}",
+                      dev),
+        grid, threads(h.dtype), shared,
+        h, i64(h.stride(0)), offs.contiguous(), i32(M), i32(inter), i32(G), i32(S),
+        i32(max(1, cfg.group_m)), i32(cfg.num_stages),
+        col_q, i64(col_q.stride(0)), col_s, i64(col_s.stride(0)),
+        row_q, i64(row_q.stride(0)), row_s, i64(row_s.stride(0)),
+        i32(code), i32(int(interleaved)), probs if probs is not None else ctypes.c_uint64(0),
+        ctypes.c_float(alpha), ctypes.c_float(limit))

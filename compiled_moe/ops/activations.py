@@ -25,11 +25,12 @@ def _kernels():
     return kernels
 
 
-def _inter(h, activation) -> int:
+def activation_columns(h, activation) -> int:
+    """I: the activation's columns for FC1 output h."""
     return h.shape[1] // 2 if activation in GATED_ACTIVATIONS else h.shape[1]
 
 
-def _check(h, activation, gate_up_layout) -> None:
+def check_activation_input(h, activation, gate_up_layout) -> None:
     check_tensor("h", h, 2)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -40,15 +41,24 @@ def _check(h, activation, gate_up_layout) -> None:
                          f"got {h.shape[1]}")
 
 
+def activation_constants(activation: str, alpha: float, limit: float) -> dict:
+    """alpha/limit keyword arguments for an op call, empty when they are the schema defaults:
+    no Python floats then reach the graph, which torch.compile (dynamic=True) would otherwise
+    trace as symbolic inputs and restart its analysis for."""
+    if activation != "gpt_oss" or (alpha == reference.GPT_OSS_ALPHA and limit == reference.GPT_OSS_LIMIT):
+        return {}
+    return {"alpha": alpha, "limit": limit}
+
+
 @torch.library.triton_op("compiled_moe::moe_activation", mutates_args=())
 @on_tensor_device
 def _moe_activation(h: Tensor, activation: str, gate_up_layout: str = "stacked",
                     alpha: float = reference.GPT_OSS_ALPHA,
                     limit: float = reference.GPT_OSS_LIMIT) -> Tensor:
-    _check(h, activation, gate_up_layout)
+    check_activation_input(h, activation, gate_up_layout)
     if not use_kernel(h):
         return reference.activation(h, activation, gate_up_layout, alpha, limit)
-    out = h.new_empty((h.shape[0], _inter(h, activation)))
+    out = h.new_empty((h.shape[0], activation_columns(h, activation)))
     _kernels().activation_forward(h, out, activation, gate_up_layout, alpha, limit)
     return out
 
@@ -56,22 +66,24 @@ def _moe_activation(h: Tensor, activation: str, gate_up_layout: str = "stacked",
 @_moe_activation.register_fake
 def _(h, activation, gate_up_layout="stacked", alpha=reference.GPT_OSS_ALPHA,
       limit=reference.GPT_OSS_LIMIT):
-    _check(h, activation, gate_up_layout)
-    return h.new_empty((h.shape[0], _inter(h, activation)))
+    check_activation_input(h, activation, gate_up_layout)
+    return h.new_empty((h.shape[0], activation_columns(h, activation)))
 
 
 def _check_backward(grad, h, activation, gate_up_layout) -> None:
-    _check(h, activation, gate_up_layout)
+    check_activation_input(h, activation, gate_up_layout)
     check_tensor("grad", grad, 2)
     check_same_device("h", h, grad=grad)
-    if tuple(grad.shape) != (h.shape[0], _inter(h, activation)):
-        raise ValueError(f"grad must be {(h.shape[0], _inter(h, activation))}, got {tuple(grad.shape)}")
+    if tuple(grad.shape) != (h.shape[0], activation_columns(h, activation)):
+        raise ValueError(f"grad must be {(h.shape[0], activation_columns(h, activation))}, got {tuple(grad.shape)}")
 
 
 @torch.library.triton_op("compiled_moe::moe_activation_backward", mutates_args=())
 @on_tensor_device
-def _moe_activation_backward(grad: Tensor, h: Tensor, activation: str, gate_up_layout: str,
-                             alpha: float, limit: float) -> Tensor:
+def _moe_activation_backward(grad: Tensor, h: Tensor, activation: str,
+                             gate_up_layout: str = "stacked",
+                             alpha: float = reference.GPT_OSS_ALPHA,
+                             limit: float = reference.GPT_OSS_LIMIT) -> Tensor:
     _check_backward(grad, h, activation, gate_up_layout)
     if not use_kernel(h):
         return reference.activation_backward(grad, h, activation, gate_up_layout, alpha, limit)
@@ -81,7 +93,8 @@ def _moe_activation_backward(grad: Tensor, h: Tensor, activation: str, gate_up_l
 
 
 @_moe_activation_backward.register_fake
-def _(grad, h, activation, gate_up_layout, alpha, limit):
+def _(grad, h, activation, gate_up_layout="stacked", alpha=reference.GPT_OSS_ALPHA,
+      limit=reference.GPT_OSS_LIMIT):
     _check_backward(grad, h, activation, gate_up_layout)
     return torch.empty_like(h, memory_format=torch.contiguous_format)
 

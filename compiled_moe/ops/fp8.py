@@ -2,6 +2,8 @@
 
 torch.ops.compiled_moe.grouped_quantize         e4m3 data + scales of every group, one launch
                                                 per direction (one for both on 2-D block recipes)
+torch.ops.compiled_moe.moe_activation_quantize  FC2's FP8 input: grouped_quantize of the
+                                                activation (* probs) of FC1's output h
 torch.ops.compiled_moe.scaled_grouped_mm        out = a @ b[g] per row group, FP8 operands
 torch.ops.compiled_moe.scaled_grouped_mm_wgrad  out[g] = a_g^T @ d_g from columnwise FP8 data
 
@@ -96,14 +98,16 @@ def _check_quantize(x, offs, recipe, rowwise, columnwise) -> None:
     check_same_device("x", x, offs=offs)
 
 
-def _quantize_outputs(x, offs, recipe, rowwise, columnwise):
-    """Empty outputs of the right shapes (and strides) for the kernels and the fake."""
+def _quantize_outputs(x, offs, recipe, rowwise, columnwise, shape=None):
+    """Empty outputs of the right shapes (and strides) for the kernels and the fake; x gives
+    the dtype and device, and the shape unless ``shape`` does."""
     sdt = _scale_dtype(recipe)
     none8 = x.new_empty((0,), dtype=FP8_DTYPE)
     none_s = x.new_empty((0,), dtype=sdt)
     data = scale = col_data = col_scale = None
-    if x.dim() == 3:
-        g, n, k = x.shape
+    shape = tuple(x.shape) if shape is None else shape
+    if len(shape) == 3:
+        g, n, k = shape
         br, bc = fp8_block(recipe, weight=True)
         if rowwise:
             data = x.new_empty((g, n, k), dtype=FP8_DTYPE)
@@ -112,7 +116,7 @@ def _quantize_outputs(x, offs, recipe, rowwise, columnwise):
             col_data = x.new_empty((g, k, n), dtype=FP8_DTYPE)
             col_scale = x.new_empty((g, _cdiv(k, br), _blocks(n, bc)), dtype=sdt)
     else:
-        m, k = x.shape
+        m, k = shape
         _, bc = fp8_block(recipe)
         if rowwise:
             data = x.new_empty((m, k), dtype=FP8_DTYPE)
@@ -200,6 +204,67 @@ def _grouped_quantize_columns_cuda(x: Tensor, offs: Tensor, recipe: str,
 def _(x, offs, recipe, rowwise):
     _check_quantize(x, offs, recipe, rowwise, True)
     return _quantize_outputs(x, offs, recipe, rowwise, True)
+
+
+# ---------------------------------------------------------------------------- moe_activation_quantize
+
+
+def _check_activation_quantize(h, offs, activation, gate_up_layout, recipe, probs, rowwise,
+                               columnwise) -> None:
+    from compiled_moe.ops.activations import check_activation_input
+    from compiled_moe.ops.moe_mlp import check_probs
+
+    check_recipe(recipe)
+    check_activation_input(h, activation, gate_up_layout)
+    check_offs(offs)
+    check_probs(probs, h.shape[0])
+    check_same_device("h", h, offs=offs, probs=probs)
+    if not (rowwise or columnwise):
+        raise ValueError("ask for rowwise and/or columnwise output")
+
+
+def _activation_outputs(h, offs, activation, recipe, rowwise, columnwise):
+    from compiled_moe.ops.activations import activation_columns
+
+    return _quantize_outputs(h, offs, recipe, rowwise, columnwise,
+                             shape=(h.shape[0], activation_columns(h, activation)))
+
+
+# On sm_90 with fp8_blockwise both ways (FC2's forward and its weight gradient) and 16-bit h, one
+# CUDA kernel reads h and writes only the FP8 data and scales (kernels/quantize_cuda.py); a in
+# h's dtype never goes through memory. Elsewhere: the activation op, then grouped_quantize.
+# Opaque in compiled graphs, as the CUDA quantizer is.
+@kernel_op("moe_activation_quantize", device_types=("cuda", "cpu"))
+@on_tensor_device
+def _moe_activation_quantize(h: Tensor, offs: Tensor, activation: str, gate_up_layout: str,
+                             recipe: str, probs: Optional[Tensor] = None, rowwise: bool = True,
+                             columnwise: bool = False, alpha: float = reference.GPT_OSS_ALPHA,
+                             limit: float = reference.GPT_OSS_LIMIT
+                             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_activation_quantize(h, offs, activation, gate_up_layout, recipe, probs, rowwise,
+                               columnwise)
+    cuda = _quantize_cuda()
+    if (rowwise and columnwise and h.device.type == "cuda"
+            and cuda.activation_supported(h, recipe, activation) and cuda.aligned(h)):
+        outs = _activation_outputs(h, offs, activation, recipe, True, True)
+        data, scale, col_data, col_scale = outs
+        if cuda.activation_fits(h, activation, col_scale.shape[1]):
+            cuda.activate_quantize(h, offs,
+                                   None if probs is None else probs.to(torch.float32).contiguous(),
+                                   activation, gate_up_layout == "interleaved", alpha, limit,
+                                   col_data, col_scale, data, scale)
+            return outs
+    a = torch.ops.compiled_moe.moe_activation(h, activation, gate_up_layout, alpha, limit)
+    return torch.ops.compiled_moe.grouped_quantize(reference.scale_rows(a, probs), offs, recipe,
+                                                   rowwise, columnwise)
+
+
+@_moe_activation_quantize.register_fake
+def _(h, offs, activation, gate_up_layout, recipe, probs=None, rowwise=True, columnwise=False,
+      alpha=reference.GPT_OSS_ALPHA, limit=reference.GPT_OSS_LIMIT):
+    _check_activation_quantize(h, offs, activation, gate_up_layout, recipe, probs, rowwise,
+                               columnwise)
+    return _activation_outputs(h, offs, activation, recipe, rowwise, columnwise)
 
 
 # ---------------------------------------------------------------------------- scaled_grouped_mm
