@@ -23,7 +23,6 @@ from compiled_moe.reference import (
     GPT_OSS_ALPHA,
     GPT_OSS_LIMIT,
     check_recipe,
-    scale_rows,
 )
 
 
@@ -140,16 +139,13 @@ class _FP8ActivationGroupedMM(torch.autograd.Function):
         grad_a, grad_b, grad_bias = _backward(ctx, grad, a_col, a_col_s, w_col, w_col_s, offs,
                                               need_h or need_probs, need_b, need_bias)
         grad_h = grad_probs = None
-        if grad_a is not None:
-            if probs is not None:  # a = act(h) * probs
-                if need_probs:
-                    act = torch.ops.compiled_moe.moe_activation(h, *ctx.activation,
-                                                                **ctx.constants)
-                    grad_probs = (grad_a.float() * act.float()).sum(1).to(probs.dtype)
-                grad_a = scale_rows(grad_a, probs)
-            if need_h:
-                grad_h = torch.ops.compiled_moe.moe_activation_backward(
-                    grad_a, h, *ctx.activation, **ctx.constants)
+        if grad_a is not None and probs is not None:  # a = act(h) * probs
+            grad_h, grad_probs = torch.ops.compiled_moe.moe_scaled_activation_backward(
+                grad_a, h, probs, *ctx.activation, **ctx.constants)
+            grad_probs = grad_probs.to(probs.dtype)
+        elif grad_a is not None:
+            grad_h = torch.ops.compiled_moe.moe_activation_backward(grad_a, h, *ctx.activation,
+                                                                    **ctx.constants)
         return grad_h, grad_b, None, grad_probs, grad_bias, None, None, None, None, None
 
 

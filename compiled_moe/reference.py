@@ -279,6 +279,18 @@ def activation_backward(grad: Tensor, h: Tensor, name: str, gate_up_layout: str 
     return out.to(h.dtype)
 
 
+def scaled_activation_backward(grad: Tensor, h: Tensor, probs: Tensor, name: str,
+                               gate_up_layout: str = "stacked", alpha: float = GPT_OSS_ALPHA,
+                               limit: float = GPT_OSS_LIMIT) -> tuple[Tensor, Tensor]:
+    """Backward of :func:`scaled_activation` with probs: (dh in h's dtype, dprobs fp32 (or fp64)
+    = <grad, act(h)> per row)."""
+    cdt = _compute_dtype(h.dtype)
+    dprobs = (grad.to(cdt) * activation(h, name, gate_up_layout, alpha, limit).to(cdt)).sum(1)
+    dh = activation_backward(grad.to(cdt) * probs.to(cdt)[:, None], h, name, gate_up_layout,
+                             alpha, limit)
+    return dh, dprobs
+
+
 def moe_mlp(x: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, name: str,
             gate_up_layout: str = "stacked", probs: Tensor | None = None,
             b1: Tensor | None = None, b2: Tensor | None = None, source: Tensor | None = None,

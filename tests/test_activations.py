@@ -10,6 +10,7 @@ from helpers import assert_matches_oracle
 
 act = torch.ops.compiled_moe.moe_activation
 act_bwd = torch.ops.compiled_moe.moe_activation_backward
+scaled_bwd = torch.ops.compiled_moe.moe_scaled_activation_backward
 
 CASES = [(a, "stacked") for a in reference.ACTIVATIONS] + [
     (a, "interleaved") for a in reference.GATED_ACTIVATIONS]
@@ -64,6 +65,36 @@ def test_kernel_forward_with_probs_interpreter(name, layout, dtype):
     assert_matches_oracle(out, want, same_dtype)
 
 
+@pytest.mark.parametrize("name,layout", CASES)
+def test_scaled_backward_reference_matches_autograd(name, layout):
+    """(dh, dprobs) of a = act(h) * probs against autograd of the float64 composition."""
+    h = _h(13, 10).requires_grad_(True)
+    probs = torch.rand(13, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(13, 5 if name in reference.GATED_ACTIVATIONS else 10, dtype=torch.float64)
+    want = torch.autograd.grad(reference.scaled_activation(h, name, layout, probs), (h, probs), grad)
+    dh, dprobs = scaled_bwd(grad, h.detach(), probs.detach(), name, layout)
+    torch.testing.assert_close(dh, want[0])
+    torch.testing.assert_close(dprobs, want[1].float())  # dprobs is fp32 in every dtype
+
+
+@pytest.mark.parametrize("name,layout", [("swiglu", "stacked"), ("gpt_oss", "interleaved"),
+                                         ("silu", "stacked")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_scaled_backward_kernel_interpreter(name, layout, dtype):
+    h = _h(21, 38, dtype)
+    inter = 19 if name in reference.GATED_ACTIVATIONS else 38
+    grad = torch.randn(21, inter).to(dtype)
+    probs = torch.rand(21, generator=torch.Generator().manual_seed(2))
+    with kernels_on_cpu():
+        dh, dprobs = scaled_bwd(grad, h, probs, name, layout)
+    want = reference.scaled_activation_backward(grad.double(), h.double(), probs.double(), name,
+                                                layout)
+    same_dtype = reference.scaled_activation_backward(grad, h, probs, name, layout)
+    assert_matches_oracle(dh, want[0], same_dtype[0])
+    assert dprobs.dtype == torch.float32
+    assert_matches_oracle(dprobs, want[1], same_dtype[1])
+
+
 def test_kernel_strided_rows_interpreter():
     """A row-strided view (FC1 output inside a wider buffer) reads correctly."""
     base = _h(9, 40, torch.float32)
@@ -86,6 +117,7 @@ def test_opcheck(name, layout):
     torch.library.opcheck(act, (h, name, layout))
     inter = 4 if name in reference.GATED_ACTIVATIONS else 8
     torch.library.opcheck(act_bwd, (torch.randn(7, inter), h, name, layout, 1.702, 7.0))
+    torch.library.opcheck(scaled_bwd, (torch.randn(7, inter), h, torch.rand(7), name, layout))
 
 
 def test_bad_inputs():
@@ -97,3 +129,7 @@ def test_bad_inputs():
         act(_h(3, 5), "swiglu")
     with pytest.raises(ValueError, match="grad"):
         act_bwd(torch.randn(3, 3, dtype=torch.float64), _h(3, 4), "swiglu", "stacked", 1.702, 7.0)
+    with pytest.raises(ValueError, match="probs must be"):
+        scaled_bwd(torch.randn(3, 2, dtype=torch.float64), _h(3, 4), torch.rand(4), "swiglu")
+    with pytest.raises(TypeError, match="probs must be a tensor"):
+        scaled_bwd(torch.randn(3, 2, dtype=torch.float64), _h(3, 4), None, "swiglu")

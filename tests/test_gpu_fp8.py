@@ -565,14 +565,15 @@ def test_moe_activation_quantize_close_to_the_activation_kernel(activation, layo
         h = (torch.randn(M, 2 * inter if gated else inter, device=DEV) * 3).bfloat16()
         probs = torch.rand(M, device=DEV)
         got, want = _activation_quantize_both(h, offs, activation, layout, probs, monkeypatch)
+        # a = round(round(act) * probs): a last-bit difference of act can move a by two steps.
         for s_got, s_want in ((got[1], want[1]), (got[3], want[3])):
-            torch.testing.assert_close(s_got, s_want, rtol=2 ** -7, atol=0)
+            torch.testing.assert_close(s_got, s_want, rtol=2 ** -6, atol=0)
         for (q, s), (q_ref, s_ref) in (((got[0], got[1]), (want[0], want[1])),):
             v, v_ref = R.dequantize_rows(q, s, "fp8_blockwise"), R.dequantize_rows(q_ref, s_ref,
                                                                                    "fp8_blockwise")
             assert ((v - v_ref).abs() <= v_ref.abs() / 8 + s_ref.repeat_interleave(128, 1)[
                 :, :inter] * 2 ** -9).all()
-            assert (v != v_ref).float().mean() < 0.01
+            assert M == 0 or (v != v_ref).float().mean() < 0.01
         cols, cols_ref = (R.dequantize_columns(t[2][:, :M], t[3], offs, "fp8_blockwise")
                           for t in (got, want))
         assert ((cols - cols_ref).abs() <= cols_ref.abs() / 8 + 2 ** -9 * cols_ref.abs().amax()

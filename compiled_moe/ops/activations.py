@@ -2,6 +2,8 @@
 
 torch.ops.compiled_moe.moe_activation            a = act(h), gate/up read in either layout
 torch.ops.compiled_moe.moe_activation_backward   d h from d a (recomputes from h, stores nothing)
+torch.ops.compiled_moe.moe_scaled_activation_backward
+                                                 (d h, d probs) of a = act(h) * probs, one pass
 
 ``triton_op``s: on CUDA one Triton kernel each way; elsewhere the reference formulas.
 One kernel reads gate and up once and writes both gradient halves; the composition of torch ops
@@ -112,3 +114,46 @@ def _backward(ctx, grad):
 
 
 _moe_activation.register_autograd(_backward, setup_context=_setup)
+
+
+def _check_scaled_backward(grad, h, probs, activation, gate_up_layout) -> None:
+    from compiled_moe.ops.moe_mlp import check_probs
+
+    _check_backward(grad, h, activation, gate_up_layout)
+    if probs is None:
+        raise TypeError("probs must be a tensor (moe_activation_backward serves a without probs)")
+    check_probs(probs, h.shape[0])
+    check_same_device("h", h, probs=probs)
+
+
+def _scaled_backward_outputs(h):
+    return (torch.empty_like(h, memory_format=torch.contiguous_format),
+            h.new_empty((h.shape[0],), dtype=torch.float32))
+
+
+# The backward of a = act(h) * probs (FP8 FC2's input, fp8.fp8_activation_grouped_mm): one kernel
+# reads grad and h once and writes dh and dprobs, where the composition of the activation's
+# recompute, the fp32 products and the sum made the FP8 MLP's step slower than before it.
+@torch.library.triton_op("compiled_moe::moe_scaled_activation_backward", mutates_args=())
+@on_tensor_device
+def _moe_scaled_activation_backward(grad: Tensor, h: Tensor, probs: Tensor, activation: str,
+                                    gate_up_layout: str = "stacked",
+                                    alpha: float = reference.GPT_OSS_ALPHA,
+                                    limit: float = reference.GPT_OSS_LIMIT
+                                    ) -> tuple[Tensor, Tensor]:
+    _check_scaled_backward(grad, h, probs, activation, gate_up_layout)
+    if not use_kernel(h):
+        dh, dprobs = reference.scaled_activation_backward(grad, h, probs, activation,
+                                                          gate_up_layout, alpha, limit)
+        return dh, dprobs.to(torch.float32)
+    dh, dprobs = _scaled_backward_outputs(h)
+    _kernels().activation_backward(grad, h, dh, activation, gate_up_layout, alpha, limit,
+                                   probs=probs.contiguous(), dprobs=dprobs)
+    return dh, dprobs
+
+
+@_moe_scaled_activation_backward.register_fake
+def _(grad, h, probs, activation, gate_up_layout="stacked", alpha=reference.GPT_OSS_ALPHA,
+      limit=reference.GPT_OSS_LIMIT):
+    _check_scaled_backward(grad, h, probs, activation, gate_up_layout)
+    return _scaled_backward_outputs(h)
