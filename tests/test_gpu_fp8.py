@@ -566,24 +566,31 @@ def test_moe_activation_quantize_close_to_the_activation_kernel(activation, layo
         probs = torch.rand(M, device=DEV)
         got, want = _activation_quantize_both(h, offs, activation, layout, probs, monkeypatch)
         # a = round(round(act) * probs): a last-bit difference of act can move a by two steps.
+        # gelu's far negative tail, 0.5 x (1 + erf(x / sqrt 2)), cancels: there the two erf
+        # implementations differ by 10% of values below 1e-7 (blocks of such values: atol).
         for s_got, s_want in ((got[1], want[1]), (got[3], want[3])):
-            torch.testing.assert_close(s_got, s_want, rtol=2 ** -6, atol=0)
+            torch.testing.assert_close(s_got, s_want, rtol=2 ** -6, atol=1e-8)
         for (q, s), (q_ref, s_ref) in (((got[0], got[1]), (want[0], want[1])),):
             v, v_ref = R.dequantize_rows(q, s, "fp8_blockwise"), R.dequantize_rows(q_ref, s_ref,
                                                                                    "fp8_blockwise")
             assert ((v - v_ref).abs() <= v_ref.abs() / 8 + s_ref.repeat_interleave(128, 1)[
                 :, :inter] * 2 ** -9).all()
             assert M == 0 or (v != v_ref).float().mean() < 0.01
+        if M == 0:
+            continue
         cols, cols_ref = (R.dequantize_columns(t[2][:, :M], t[3], offs, "fp8_blockwise")
                           for t in (got, want))
         assert ((cols - cols_ref).abs() <= cols_ref.abs() / 8 + 2 ** -9 * cols_ref.abs().amax()
                 ).all()
-        assert M == 0 or (cols != cols_ref).float().mean() < 0.01
+        assert (cols != cols_ref).float().mean() < 0.01
 
 
 def test_moe_mlp_fp8_matches_the_composition_gpu():
-    """moe_mlp(fp8_recipe="fp8_blockwise"): FC2's input from the CUDA kernel; output and
-    gradients against the same MLP composed of fp8_grouped_mm and the activation op."""
+    """moe_mlp(fp8_recipe="fp8_blockwise"), FC2's input from the CUDA kernel, against the same
+    MLP composed of fp8_grouped_mm and the activation op: the same output, and gradients as
+    close to float64 as the composition's. (The backward of a = act(h) * probs rounds once
+    where the composition rounds twice, and FC1's FP8 backward turns last-bit differences of
+    dh into different e4m3 steps, so the gradients are compared through float64.)"""
     M, H, I, G = 4096 + 48, 1024, 512, 16
     torch.manual_seed(10)
     offs = skewed_offsets(M, G, seed=10, tail=48, multiple=16)
@@ -600,8 +607,14 @@ def test_moe_mlp_fp8_matches_the_composition_gpu():
     want = cm.fp8_grouped_mm(a, ins[1]["w2"].mT, offs)
     got.backward(dy)
     want.backward(dy)
-    for g, w in [(got, want)] + [(ins[0][k].grad, ins[1][k].grad) for k in base]:
-        assert (g.float() - w.float()).norm() / w.float().norm() < 0.01
+    assert (got.float() - want.float()).norm() / want.float().norm() < 1e-3
+    exact = {k: v.double().requires_grad_(True) for k, v in base.items()}
+    cm.moe_mlp(exact["x"], offs, exact["w1"], exact["w2"], probs=exact["probs"]).backward(
+        dy.double())
+    for k in base:
+        err, err_composed = ((ins[i][k].grad.double() - exact[k].grad).norm()
+                             / exact[k].grad.norm() for i in (0, 1))
+        assert err < 0.1 and err <= 1.1 * err_composed + 1e-3, (k, err, err_composed)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
