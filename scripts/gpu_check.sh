@@ -18,6 +18,8 @@ python3 benchmarks/bench_experts.py --json "$OUT/bench_experts.json" 2>&1 \
 python3 benchmarks/bench_fp8.py --json "$OUT/bench_fp8.json" 2>&1 \
     | tee "$OUT/bench_fp8.log" || status=1
 python3 benchmarks/bench_quantize.py --no-baseline 2>&1 | tee "$OUT/bench_quantize.log" || status=1
+python3 benchmarks/bench_activation_quantize.py --json "$OUT/bench_activation_quantize.json" 2>&1 \
+    | tee "$OUT/bench_activation_quantize.log" || status=1
 python3 benchmarks/bench_fp8_training.py --json "$OUT/bench_fp8_training.json" 2>&1 \
     | tee "$OUT/bench_fp8_training.log" || status=1
 python3 benchmarks/bench_moe_mlp.py --json "$OUT/bench_moe_mlp.json" 2>&1 \
