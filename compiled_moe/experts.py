@@ -2,7 +2,8 @@
 
 Two sync-free paths composed of the package's ops: the fused MLP (route -> moe_mlp with the
 gather in FC1 -> combine), the default, and the unfused one (separate permute, grouped GEMMs
-and activation), which also takes a callable activation and FP8 recipes. It is the Hugging
+and activation), which also takes a callable activation and FP8 recipes (with a named
+activation, FC2's FP8 input is quantized straight from FC1's output). It is the Hugging
 Face ExpertsInterface contract:
 hidden (T, H), topk_ids (T, k), topk_weights (T, k) -> (T, H).
 """

@@ -199,8 +199,10 @@ def moe_mlp(x_sorted: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, *, activatio
         The last three run in eager mode only.
         fp8_recipe: None, or an FP8 recipe (``fp8_blockwise``, ``fp8_rowwise``, ``mxfp8``):
             both GEMMs of forward and backward run in FP8 (:func:`compiled_moe.fp8_grouped_mm`;
-            H and I multiples of 16 let the Hopper CUDA kernels run), the activation between
-            them in x's dtype. Unfused: three steps each way, the activation kept for backward.
+            H and I multiples of 16 let the Hopper CUDA kernels run). FC2's FP8 input is
+            quantized straight from FC1's output (:func:`compiled_moe.fp8_activation_grouped_mm`:
+            the activation (* probs) in x's dtype, rounded as without a recipe, never written);
+            backward keeps h and the activation's columnwise FP8 data.
             Not combined with the three training options above yet.
         fp8_weights: with fp8_recipe, ``(quantize_weight(w1, recipe), quantize_weight(w2,
             recipe))`` computed beforehand, e.g. once per optimizer step for several

@@ -7,6 +7,8 @@
 //   128-row block j of group g has slot sum_{h<g} ceil(m_h / 128) + j (the rows past offs[G-1]
 //   are group G), unused slots hold the scale of a zero block (1);
 //   with ROWWISE also row_q (M, K) e4m3 and row_s (M, ceil(K / 128)) fp32, 1 x 128 blocks.
+// The activate_quantize kernels compute the same of a = act(h) (* probs) from FC1's output h
+// (reference.activation_quantize), both ways: see "the activation" below.
 //
 // Persistent CTAs, one per SM, walk (slot, 128-column tile) items: a producer warp copies each
 // item's 128 x 128 tile of x into a ring of shared-memory stages (16-byte cp.async, completing
