@@ -59,6 +59,17 @@ def _check_weight_fp8(weight_fp8, b: Tensor, recipe: str) -> None:
             raise ValueError(f"weight_fp8[{i}] is on {t.device} but b is on {b.device}")
 
 
+def _check_operands(a_name: str, a, b, recipe: str, weight_fp8) -> tuple | None:
+    """The wrappers' checks of their activation, weight and recipe; weight_fp8 as a tuple."""
+    check_recipe(recipe)
+    check_tensor(a_name, a, 2)
+    check_tensor("b", b, 3)
+    if weight_fp8 is None:
+        return None
+    _check_weight_fp8(weight_fp8, b, recipe)
+    return tuple(weight_fp8)
+
+
 class _FP8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, offs, bias, recipe, weight_fp8):
@@ -158,12 +169,7 @@ def fp8_activation_grouped_mm(h: Tensor, b: Tensor, offs: Tensor, *, activation:
     with the activation's FP8 data and scales made in one pass over h (FC2 of an FP8 expert MLP:
     a in h's dtype is neither written nor kept). Differentiable in h, b, probs and bias; the
     arguments as for fp8_grouped_mm and moe_mlp."""
-    check_recipe(recipe)
-    check_tensor("h", h, 2)
-    check_tensor("b", b, 3)
-    if weight_fp8 is not None:
-        _check_weight_fp8(weight_fp8, b, recipe)
-        weight_fp8 = tuple(weight_fp8)
+    weight_fp8 = _check_operands("h", h, b, recipe, weight_fp8)
     return _FP8ActivationGroupedMM.apply(h, b, offs, probs, bias, recipe, weight_fp8, activation,
                                          gate_up_layout,
                                          activation_constants(activation, alpha, limit))
@@ -198,12 +204,7 @@ def fp8_grouped_mm(a: Tensor, b: Tensor, offs: Tensor, *, recipe: str = "fp8_blo
         (M, N) in a's dtype; rows past offs[-1] are zero (no bias is added there).
         Differentiable in a, b and bias.
     """
-    check_recipe(recipe)
-    check_tensor("a", a, 2)
-    check_tensor("b", b, 3)
-    if weight_fp8 is not None:
-        _check_weight_fp8(weight_fp8, b, recipe)
-        weight_fp8 = tuple(weight_fp8)
+    weight_fp8 = _check_operands("a", a, b, recipe, weight_fp8)
     return _FP8GroupedMM.apply(a, b, offs, bias, recipe, weight_fp8)
 
 
