@@ -294,36 +294,36 @@ __device__ __forceinline__ float activate(float g, float u, float alpha, float l
 }
 
 // Warp wi writes a over rows 16 wi .. 16 wi + 15 of the stage's first piece: lane l takes
-// row 2 i + l / 16 (i = 0..7) and output columns 8 q .. 8 q + 7, q = l % 16. Interleaved, those
-// come from 16 columns of h (piece q / 8); each row's values are all loaded before any of
-// its lanes stores (a 16-lane row reads what it overwrites). Rows past the item and columns
-// past K compute on stale values, which the quantizer's loads mask.
+// row 2 i + l / 16 (i = 0..7), q = l % 16, and each row's 16 lanes read 256 contiguous bytes of
+// each piece (no bank conflicts). Stacked: output columns 8 q .. 8 q + 7 from both pieces.
+// Interleaved: the piece's h columns 8 q .. 8 q + 7 hold output columns 4 q .. 4 q + 3 (of the
+// first piece) or 64 + 4 q .. (of the second). (Lanes reading 32 bytes at a 32-byte stride, one
+// 16-byte store, ran 2-way bank conflicts on every load.) Each row's values are all loaded before
+// any of its lanes stores (a row's lanes read what they overwrite). Rows past the item and
+// columns past K compute on stale values, which the quantizer's loads mask.
 template <int DT, int CODE>
 __device__ __forceinline__ void activate_rows(unsigned char* stage, int piece_bytes, const Item& it,
                                               int wi, int lane, const Activation& act) {
   using S = Stage<DT>;
   const int q = lane & 15;
+  const bool interleaved = CODE <= 2 && act.interleaved;
 #pragma unroll 2
   for (int i = 0; i < 8; ++i) {
     const int r = 16 * wi + 2 * i + (lane >> 4);
     unsigned char* row = stage + S::row_offset(r);
     float g[8], u[8];
-    if (CODE <= 2 && act.interleaved) {
-      Values<DT, 8> lo, hi;
-      const unsigned char* src = row + (q >> 3) * piece_bytes + (q & 7) * 32;
-      lo.load_shared(src, true);
-      hi.load_shared(src + 16, true);
+    Values<DT, 8> first, second;
+    first.load_shared(row + 16 * q, true);
+    if (CODE <= 2) second.load_shared(row + piece_bytes + 16 * q, true);
+    if (interleaved) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        g[j] = lo[2 * j], u[j] = lo[2 * j + 1];
-        g[4 + j] = hi[2 * j], u[4 + j] = hi[2 * j + 1];
+        g[j] = first[2 * j], u[j] = first[2 * j + 1];
+        g[4 + j] = second[2 * j], u[4 + j] = second[2 * j + 1];
       }
     } else {
-      Values<DT, 8> gv, uv;
-      gv.load_shared(row + 16 * q, true);
-      if (CODE <= 2) uv.load_shared(row + piece_bytes + 16 * q, true);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) g[j] = gv[j], u[j] = CODE <= 2 ? uv[j] : 0.0f;
+      for (int j = 0; j < 8; ++j) g[j] = first[j], u[j] = CODE <= 2 ? second[j] : 0.0f;
     }
     const bool scaled = act.probs != nullptr;
     const float p = scaled && r < it.rows ? act.probs[it.row0 + r] : 1.0f;
@@ -339,7 +339,12 @@ __device__ __forceinline__ void activate_rows(unsigned char* stage, int piece_by
       out[j / 2] = pack_half2(DT, v0, v1);
     }
     __syncwarp();
-    *reinterpret_cast<uint4*>(row + 16 * q) = make_uint4(out[0], out[1], out[2], out[3]);
+    if (interleaved) {
+      *reinterpret_cast<uint2*>(row + 8 * q) = make_uint2(out[0], out[1]);
+      *reinterpret_cast<uint2*>(row + 128 + 8 * q) = make_uint2(out[2], out[3]);
+    } else {
+      *reinterpret_cast<uint4*>(row + 16 * q) = make_uint4(out[0], out[1], out[2], out[3]);
+    }
   }
 }
 
