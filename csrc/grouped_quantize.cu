@@ -299,8 +299,8 @@ __device__ __forceinline__ float activate(float g, float u, float alpha, float l
 // Interleaved: the piece's h columns 8 q .. 8 q + 7 hold output columns 4 q .. 4 q + 3 (of the
 // first piece) or 64 + 4 q .. (of the second). (Lanes reading 32 bytes at a 32-byte stride, one
 // 16-byte store, ran 2-way bank conflicts on every load.) Each row's values are all loaded before
-// any of its lanes stores (a row's lanes read what they overwrite). Rows past the item and
-// columns past K compute on stale values, which the quantizer's loads mask.
+// any of its lanes stores (a row's lanes read what they overwrite). Columns past K (and the odd
+// row of a pair past the item) compute on stale values, which the quantizer's loads mask.
 template <int DT, int CODE>
 __device__ __forceinline__ void activate_rows(unsigned char* stage, int piece_bytes, const Item& it,
                                               int wi, int lane, const Activation& act) {
@@ -309,6 +309,9 @@ __device__ __forceinline__ void activate_rows(unsigned char* stage, int piece_by
   const bool interleaved = CODE <= 2 && act.interleaved;
 #pragma unroll 2
   for (int i = 0; i < 8; ++i) {
+    // Rows past the item are skipped, a pair at a time (warp-uniform): a group of 135 rows has
+    // a second slot of 7.
+    if (16 * wi + 2 * i >= it.rows) break;
     const int r = 16 * wi + 2 * i + (lane >> 4);
     unsigned char* row = stage + S::row_offset(r);
     float g[8], u[8];
