@@ -47,7 +47,8 @@ def activation_constants(activation: str, alpha: float, limit: float) -> dict:
     """alpha/limit keyword arguments for an op call, empty when they are the schema defaults:
     no Python floats then reach the graph, which torch.compile (dynamic=True) would otherwise
     trace as symbolic inputs and restart its analysis for."""
-    if activation != "gpt_oss" or (alpha == reference.GPT_OSS_ALPHA and limit == reference.GPT_OSS_LIMIT):
+    if activation != "gpt_oss" or (alpha, limit) == (reference.GPT_OSS_ALPHA,
+                                                      reference.GPT_OSS_LIMIT):
         return {}
     return {"alpha": alpha, "limit": limit}
 

@@ -243,9 +243,8 @@ def _moe_activation_quantize(h: Tensor, offs: Tensor, activation: str, gate_up_l
                              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_activation_quantize(h, offs, activation, gate_up_layout, recipe, probs, rowwise,
                                columnwise)
-    cuda = _quantize_cuda()
-    if (rowwise and columnwise and h.device.type == "cuda"
-            and cuda.activation_supported(h, recipe, activation) and cuda.aligned(h)):
+    cuda = _quantize_cuda() if rowwise and columnwise and h.device.type == "cuda" else None
+    if cuda is not None and cuda.activation_supported(h, recipe, activation) and cuda.aligned(h):
         outs = _activation_outputs(h, offs, activation, recipe, True, True)
         data, scale, col_data, col_scale = outs
         if cuda.activation_fits(h, activation, col_scale.shape[1]):
