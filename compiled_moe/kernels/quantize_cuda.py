@@ -20,6 +20,7 @@ import os
 import torch
 
 from compiled_moe import native
+from compiled_moe.kernels.activations import CODES, GATED  # the CUDA kernel's codes too
 from compiled_moe.kernels.configs import quantize_columns_cuda_config
 from compiled_moe.kernels.grouped_mm import _num_sms
 
@@ -107,7 +108,9 @@ def quantize_group_columns(x, offs, col_q, col_s, row_q, row_s, recipe: str,
                          rq, i64(rq.stride(0)), rs, i64(rs.stride(0)))
 
 
-_ACTIVATION_CODES = {"swiglu": 0, "geglu": 1, "gpt_oss": 2, "relu2": 3, "gelu": 4, "silu": 5}
+def _pieces(activation: str) -> int:
+    """128-column pieces of h per stage: gate and up, or the one input of the plain ones."""
+    return 2 if CODES[activation] in GATED else 1
 
 
 def activation_supported(h, recipe: str, activation: str) -> bool:
@@ -116,13 +119,11 @@ def activation_supported(h, recipe: str, activation: str) -> bool:
     of stacked h starts 16-byte aligned)."""
     if h.dtype == torch.float32 or not supported(h, recipe):
         return False
-    gated = _ACTIVATION_CODES[activation] <= 2
-    return not gated or h.shape[1] % 16 == 0
+    return _pieces(activation) == 1 or h.shape[1] % 16 == 0
 
 
 def activation_fits(h, activation: str, slots: int) -> bool:
-    pieces = 2 if _ACTIVATION_CODES[activation] <= 2 else 1
-    return shared_bytes(h.dtype, 2, slots, pieces) <= _SHARED_LIMIT
+    return shared_bytes(h.dtype, 2, slots, _pieces(activation)) <= _SHARED_LIMIT
 
 
 def activate_quantize(h, offs, probs, activation: str, interleaved: bool, alpha: float,
@@ -134,8 +135,7 @@ def activate_quantize(h, offs, probs, activation: str, interleaved: bool, alpha:
     M, inter = row_q.shape
     if inter == 0:
         return
-    code = _ACTIVATION_CODES[activation]
-    pieces = 2 if code <= 2 else 1
+    pieces = _pieces(activation)
     G, S = offs.shape[0], col_s.shape[1]
     dev = h.device.index if h.device.index is not None else torch.cuda.current_device()
     cfg = quantize_columns_cuda_config(pieces * stage_bytes(h.dtype),
@@ -151,5 +151,6 @@ def activate_quantize(h, offs, probs, activation: str, interleaved: bool, alpha:
         i32(max(1, cfg.group_m)), i32(cfg.num_stages),
         col_q, i64(col_q.stride(0)), col_s, i64(col_s.stride(0)),
         row_q, i64(row_q.stride(0)), row_s, i64(row_s.stride(0)),
-        i32(code), i32(int(interleaved)), probs if probs is not None else ctypes.c_uint64(0),
+        i32(CODES[activation]), i32(int(interleaved)),
+        probs if probs is not None else ctypes.c_uint64(0),
         ctypes.c_float(alpha), ctypes.c_float(limit))
