@@ -143,7 +143,8 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|")
     for r in acts:
         print(f"| {r['model']} | {r['rows']} x {r['inter']} | {r['activation']} | "
-              f"{r['fused_us']:.1f} | {r['unfused_us']:.1f} ({r['quantize_us']:.1f}) | {r['ratio']:.3f}x "
+              f"{r['fused_us']:.1f} | {r['unfused_us']:.1f} ({r['quantize_us']:.1f}) | "
+              f"{r['ratio']:.3f}x "
               f"({r['ratio_range'][0]:.3f}-{r['ratio_range'][1]:.3f}) | {r['fused_gbs']:.0f} | "
               f"{r['of_copy']:.2f} | {r['elements_differing']} of {r['elements']} |")
     mlps = [part_mlp(m, args.rounds) for m in models]

@@ -78,7 +78,8 @@ def _check_backward(grad, h, activation, gate_up_layout) -> None:
     check_tensor("grad", grad, 2)
     check_same_device("h", h, grad=grad)
     if tuple(grad.shape) != (h.shape[0], activation_columns(h, activation)):
-        raise ValueError(f"grad must be {(h.shape[0], activation_columns(h, activation))}, got {tuple(grad.shape)}")
+        raise ValueError(f"grad must be {(h.shape[0], activation_columns(h, activation))}, "
+                         f"got {tuple(grad.shape)}")
 
 
 @torch.library.triton_op("compiled_moe::moe_activation_backward", mutates_args=())

@@ -206,7 +206,7 @@ def _(x, offs, recipe, rowwise):
     return _quantize_outputs(x, offs, recipe, rowwise, True)
 
 
-# ---------------------------------------------------------------------------- moe_activation_quantize
+# ---------------------------------------------------------------------- moe_activation_quantize
 
 
 def _check_activation_quantize(h, offs, activation, gate_up_layout, recipe, probs, rowwise,
