@@ -15,7 +15,8 @@ weight gradient), each timed from a CUDA graph (GPU time only), in interleaved r
 Part 2, ``moe_mlp(fp8_recipe="fp8_blockwise", fp8_weights=...)`` forward and backward (the weights
 quantized beforehand, as with several micro-batches per step), against the same MLP composed
 as before: fp8_grouped_mm, the activation op (* probs), fp8_grouped_mm; and the bf16 moe_mlp
-(no recipe) on the same inputs.
+(no recipe) on the same inputs. Each step is timed from a CUDA graph (GPU time) and eager (the
+last column: host time included, which bounds the small shapes).
 Routing: skewed, groups rounded up to 16 rows (as bench_fp8.py). Ratios are unfused / fused
 (> 1: fused is faster); the paired median over the rounds, with its range.
 """
@@ -120,11 +121,16 @@ def part_mlp(model, rounds):
         y = cm.moe_mlp(x, offs, w1, w2, activation=act, gate_up_layout=layout, probs=probs)
         return torch.autograd.grad(y, inputs, dy)
 
-    times = timed_rounds({"fused": fused, "composed": composed, "bf16": bf16}, rounds)
-    ratio, lo, hi = paired_ratio(times, "fused", "composed")
-    return dict(model=model.name, rows=rows, fused_ms=min(times["fused"]),
-                composed_ms=min(times["composed"]), bf16_ms=min(times["bf16"]), ratio=ratio,
-                ratio_range=(lo, hi), bf16_ratio=paired_ratio(times, "fused", "bf16")[0])
+    steps = {"fused": fused, "composed": composed, "bf16": bf16}
+    # Eager calls pay every op's host time; graph replays time the GPU alone.
+    times = timed_rounds({**steps, **{f"{k} graph": replay(f) for k, f in steps.items()}}, rounds)
+    ratio, lo, hi = paired_ratio(times, "fused graph", "composed graph")
+    best = {k: min(v) for k, v in times.items()}
+    return dict(model=model.name, rows=rows, fused_ms=best["fused graph"],
+                composed_ms=best["composed graph"], bf16_ms=best["bf16 graph"], ratio=ratio,
+                ratio_range=(lo, hi), bf16_ratio=paired_ratio(times, "fused graph", "bf16 graph")[0],
+                fused_eager_ms=best["fused"], bf16_eager_ms=best["bf16"],
+                bf16_eager_ratio=paired_ratio(times, "fused", "bf16")[0])
 
 
 def main():
@@ -149,12 +155,13 @@ def main():
               f"{r['of_copy']:.2f} | {r['elements_differing']} of {r['elements']} |")
     mlps = [part_mlp(m, args.rounds) for m in models]
     print("\n| model | rows | FP8 moe_mlp fwd+bwd ms | composed ms | composed / moe_mlp (range) | "
-          "bf16 moe_mlp ms | bf16 / FP8 |")
-    print("|---|---|---|---|---|---|---|")
+          "bf16 moe_mlp ms | bf16 / FP8 | eager: FP8 ms, bf16 ms, bf16 / FP8 |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in mlps:
         print(f"| {r['model']} | {r['rows']} | {r['fused_ms']:.3f} | {r['composed_ms']:.3f} | "
               f"{r['ratio']:.3f}x ({r['ratio_range'][0]:.3f}-{r['ratio_range'][1]:.3f}) | "
-              f"{r['bf16_ms']:.3f} | {r['bf16_ratio']:.3f}x |")
+              f"{r['bf16_ms']:.3f} | {r['bf16_ratio']:.3f}x | {r['fused_eager_ms']:.3f}, "
+              f"{r['bf16_eager_ms']:.3f}, {r['bf16_eager_ratio']:.3f}x |")
     if args.json:
         write_json(args.json, {"env": env, "activation_quantize": acts, "mlp": mlps})
 

@@ -415,6 +415,30 @@ def test_every_op_body_runs_on_its_tensors_device():
     assert not unguarded, f"op bodies without on_tensor_device: {unguarded}"
 
 
+def test_every_op_has_an_autograd_kernel():
+    """Every op with float inputs has an autograd kernel: its formula, or one that raises on a
+    backward through it (kernel_op's autograd="raise"). torch's fallback for ops without one
+    only warns, and the gradient through the op is lost."""
+    names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("compiled_moe::")
+             and not n.startswith("compiled_moe::test_only")]
+    assert len(names) >= 20
+    without = [n for n in names if n != "compiled_moe::moe_route"
+               and not torch._C._dispatch_has_kernel_for_dispatch_key(n, "Autograd")]
+    assert not without, f"ops without an autograd kernel: {without}"
+
+
+def test_backward_through_an_op_without_a_formula_raises():
+    """A non-differentiable op fed a tensor that requires grad computes its outputs (as for
+    inference), and a backward through them raises, naming the op."""
+    x = torch.randn(16, 128, requires_grad=True)
+    offs = torch.tensor([16], dtype=torch.int32)
+    data, scale, _, _ = torch.ops.compiled_moe.grouped_quantize(x, offs, "fp8_blockwise")
+    assert torch.equal(data.view(torch.uint8), torch.ops.compiled_moe.grouped_quantize(
+        x.detach(), offs, "fp8_blockwise")[0].view(torch.uint8))
+    with pytest.raises(RuntimeError, match="compiled_moe.grouped_quantize is not differentiable"):
+        scale.sum().backward()
+
+
 # ------------------------------------------------------------------ split K's bound (no GPU)
 
 # (hidden, inter, experts, top_k) of DeepSeek-V3 EP8, Qwen3-30B-A3B, Mixtral-8x7B, GPT-OSS-120B

@@ -37,6 +37,11 @@ def use_kernel(*tensors: Tensor) -> bool:
     return _interpret_on_cpu and t.device.type == "cpu"
 
 
+def is_real_tensor(t: Tensor) -> bool:
+    """t holds data: not a fake or functional tensor of a trace."""
+    return type(t) is Tensor or type(t) is torch.nn.Parameter
+
+
 def on_tensor_device(op_body):
     """Run an op's body with its first argument's GPU current, as ATen's CUDA ops do through
     their generated device guard, which Python-registered ops do not get.
@@ -50,7 +55,7 @@ def on_tensor_device(op_body):
     @functools.wraps(op_body)
     def body(*args, **kwargs):
         t = args[0]
-        if (t.device.type == "cuda" and (type(t) is Tensor or type(t) is torch.nn.Parameter)
+        if (t.device.type == "cuda" and is_real_tensor(t)
                 and t.device.index != torch.cuda.current_device()):
             with torch.cuda.device(t.device):
                 return op_body(*args, **kwargs)
@@ -76,9 +81,23 @@ class KernelOp:
     def __call__(self, *args, **kwargs):
         return self._body(*args, **kwargs)
 
+    def call_in_body(self, *args):
+        """The op called from another op's body: on real tensors its body, straight (eager: the
+        dispatcher's second trip costs 15-30 us of host time on the H200's host); on a trace's
+        tensors the op, which the graph keeps as one node."""
+        if is_real_tensor(args[0]):
+            return self._body(*args)
+        return getattr(torch.ops.compiled_moe, self.qualname.split("::")[1])(*args)
+
     def register_fake(self, fake):
         torch.library.register_fake(self.qualname, fake, lib=_LIBRARY)
         return fake
+
+    def register_autograd(self, backward, *, setup_context=None):
+        """The op's autograd formula, as custom_op's register_autograd (for ops registered with
+        autograd="formula")."""
+        torch.library.register_autograd(self.qualname, backward, setup_context=setup_context,
+                                        lib=_LIBRARY)
 
     def register_traced(self, traced):
         """What torch.compile's graph holds instead of the opaque op: ``traced`` runs under
@@ -104,26 +123,64 @@ class KernelOp:
         return traced
 
 
-def kernel_op(name: str, *, device_types=("cuda",)):
+def kernel_op(name: str, *, device_types=("cuda",), traced: bool = False,
+              autograd: str = "raise"):
     """Register the decorated function as ``torch.ops.compiled_moe.<name>``, an op without
-    autograd or mutation whose kernel on ``device_types`` is the function itself.
+    mutation whose kernel on ``device_types`` is the function itself.
 
-    For the opaque ops that compiled graphs call through the dispatcher (the route, the CUDA
-    C++ GEMMs and quantizer), whose calls sit on a compiled MoE block's host path.
-    torch.library.custom_op wraps its kernel in an autograd layer, an aliasing check and
-    dynamo's disable. Same-process A/Bs on the H200's host (medians of 5 rounds, us per eager
-    call, custom_op against kernel_op): grouped_mm_sm90 66.3 against 44.0 (its body alone
-    37.6); moe_route 79.6 against 48.4 on one machine, 59.1 against 53.0 on another. Ops with
-    autograd or mutations stay custom_ops/triton_ops (custom_op also bumps a mutated
-    argument's version counter).
+    Every op of the package without a mutated argument: their calls sit on a MoE block's host
+    path. torch.library.custom_op (and triton_op, a custom_op) wraps its kernel in an autograd
+    layer, an aliasing check and dynamo's disable; a kernel_op has only the autograd layer it
+    asks for. Same-process A/Bs on the H200's host (medians of 5 rounds, us per eager call,
+    custom_op against kernel_op): grouped_mm_sm90 66.3 against 44.0 (its body alone 37.6);
+    moe_route 79.6 against 48.4 on one machine, 59.1 against 53.0 on another. Ops that mutate
+    an argument stay custom_ops/triton_ops (custom_op bumps its version counter).
+
+    traced: the body also runs under AOTAutograd's functional trace (``register_traced``), as
+        a triton_op's body does: compiled graphs see and launch the Triton kernels it launches
+        through ``wrap_triton``. Eager calls launch them directly, as triton_op's do.
+    autograd: "raise": a backward through the op raises, as through a custom_op without an
+        autograd formula (torch's fallback for ops without one warns and drops the gradient);
+        "formula": the op registers its own (``register_autograd``); "none": no autograd layer,
+        for ops without float inputs (the route), which then skip its host time.
     """
+    if autograd not in ("raise", "formula", "none"):
+        raise ValueError(f"autograd must be 'raise', 'formula' or 'none', got {autograd!r}")
+
     def register(body) -> KernelOp:
         _LIBRARY.define(name + torch.library.infer_schema(body, mutates_args=()))
+        kernel = _launching_triton_directly(body)
         for device_type in device_types:
-            _LIBRARY.impl(name, body, _DISPATCH_KEYS[device_type])
-        return KernelOp(name, body)
+            _LIBRARY.impl(name, kernel, _DISPATCH_KEYS[device_type])
+        op = KernelOp(name, body)
+        if traced:
+            op.register_traced(body)
+        if autograd == "raise":
+            torch.library.register_autograd(op.qualname, functools.partial(_no_backward, name),
+                                            lib=_LIBRARY)
+        return op
 
     return register
+
+
+def _launching_triton_directly(body):
+    """body with ``wrap_triton`` launching its kernels directly: a device kernel of the
+    dispatcher only ever sees real tensors, and wrap_triton's dispatch through its higher-order
+    op costs host time (torch's triton_op does the same)."""
+    from torch._library.triton import set_wrap_triton_enabled
+
+    @functools.wraps(body)
+    def kernel(*args, **kwargs):
+        with set_wrap_triton_enabled(False):
+            return body(*args, **kwargs)
+
+    return kernel
+
+
+def _no_backward(name: str, ctx, *grads):
+    raise RuntimeError(f"torch.ops.compiled_moe.{name} is not differentiable: nothing can "
+                       "backpropagate through it (the package's autograd functions, such as "
+                       "fp8_grouped_mm and moe_mlp, call it where a gradient is needed)")
 
 
 def is_transposed_weight(b: Tensor) -> bool:

@@ -18,7 +18,13 @@ import torch
 from torch import Tensor
 
 from compiled_moe import reference
-from compiled_moe.ops._dispatch import check_same_device, check_tensor, on_tensor_device, use_kernel
+from compiled_moe.ops._dispatch import (
+    check_same_device,
+    check_tensor,
+    kernel_op,
+    on_tensor_device,
+    use_kernel,
+)
 from compiled_moe.reference import ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS
 
 
@@ -53,7 +59,8 @@ def activation_constants(activation: str, alpha: float, limit: float) -> dict:
     return {"alpha": alpha, "limit": limit}
 
 
-@torch.library.triton_op("compiled_moe::moe_activation", mutates_args=())
+@kernel_op("moe_activation", device_types=("cuda", "cpu"), traced=True,
+           autograd="formula")
 @on_tensor_device
 def _moe_activation(h: Tensor, activation: str, gate_up_layout: str = "stacked",
                     alpha: float = reference.GPT_OSS_ALPHA,
@@ -82,7 +89,7 @@ def _check_backward(grad, h, activation, gate_up_layout) -> None:
                          f"got {tuple(grad.shape)}")
 
 
-@torch.library.triton_op("compiled_moe::moe_activation_backward", mutates_args=())
+@kernel_op("moe_activation_backward", device_types=("cuda", "cpu"), traced=True)
 @on_tensor_device
 def _moe_activation_backward(grad: Tensor, h: Tensor, activation: str,
                              gate_up_layout: str = "stacked",
@@ -136,7 +143,8 @@ def _scaled_backward_outputs(h):
 # The backward of a = act(h) * probs (FP8 FC2's input, fp8.fp8_activation_grouped_mm): one kernel
 # reads grad and h once and writes dh and dprobs, where the composition of the activation's
 # recompute, the fp32 products and the sum made the FP8 MLP's step slower than before it.
-@torch.library.triton_op("compiled_moe::moe_scaled_activation_backward", mutates_args=())
+@kernel_op("moe_scaled_activation_backward", device_types=("cuda", "cpu"),
+           traced=True)
 @on_tensor_device
 def _moe_scaled_activation_backward(grad: Tensor, h: Tensor, probs: Tensor, activation: str,
                                     gate_up_layout: str = "stacked",

@@ -64,7 +64,7 @@ def _cdiv(a, b):
     return (a + b - 1) // b
 
 
-def _scale_dtype(recipe: str) -> torch.dtype:
+def quantized_scale_dtype(recipe: str) -> torch.dtype:
     return torch.uint8 if recipe == "mxfp8" else torch.float32
 
 
@@ -98,23 +98,31 @@ def _check_quantize(x, offs, recipe, rowwise, columnwise) -> None:
     check_same_device("x", x, offs=offs)
 
 
+def weight_quantized_shapes(shape: tuple, recipe: str) -> tuple[tuple, ...]:
+    """Shapes of grouped_quantize's four outputs (rowwise data and scales, columnwise data and
+    scales) for a (G, N, K) weight; data is e4m3, scales ``quantized_scale_dtype(recipe)``."""
+    g, n, k = shape
+    br, bc = fp8_block(recipe, weight=True)
+    return ((g, n, k), (g, _cdiv(n, br), _blocks(k, bc)),
+            (g, k, n), (g, _cdiv(k, br), _blocks(n, bc)))
+
+
 def _quantize_outputs(x, offs, recipe, rowwise, columnwise, shape=None):
     """Empty outputs of the right shapes (and strides) for the kernels and the fake; x gives
     the dtype and device, and the shape unless ``shape`` does."""
-    sdt = _scale_dtype(recipe)
+    sdt = quantized_scale_dtype(recipe)
     none8 = x.new_empty((0,), dtype=FP8_DTYPE)
     none_s = x.new_empty((0,), dtype=sdt)
     data = scale = col_data = col_scale = None
     shape = tuple(x.shape) if shape is None else shape
     if len(shape) == 3:
-        g, n, k = shape
-        br, bc = fp8_block(recipe, weight=True)
+        shapes = weight_quantized_shapes(shape, recipe)
         if rowwise:
-            data = x.new_empty((g, n, k), dtype=FP8_DTYPE)
-            scale = x.new_empty((g, _cdiv(n, br), _blocks(k, bc)), dtype=sdt)
+            data = x.new_empty(shapes[0], dtype=FP8_DTYPE)
+            scale = x.new_empty(shapes[1], dtype=sdt)
         if columnwise:
-            col_data = x.new_empty((g, k, n), dtype=FP8_DTYPE)
-            col_scale = x.new_empty((g, _cdiv(k, br), _blocks(n, bc)), dtype=sdt)
+            col_data = x.new_empty(shapes[2], dtype=FP8_DTYPE)
+            col_scale = x.new_empty(shapes[3], dtype=sdt)
     else:
         m, k = shape
         _, bc = fp8_block(recipe)
@@ -129,13 +137,13 @@ def _quantize_outputs(x, offs, recipe, rowwise, columnwise, shape=None):
             none8 if col_data is None else col_data, none_s if col_scale is None else col_scale)
 
 
-@torch.library.triton_op("compiled_moe::grouped_quantize", mutates_args=())
+@kernel_op("grouped_quantize", device_types=("cuda", "cpu"), traced=True)
 @on_tensor_device
 def _grouped_quantize(x: Tensor, offs: Optional[Tensor], recipe: str, rowwise: bool = True,
                       columnwise: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_quantize(x, offs, recipe, rowwise, columnwise)
     if columnwise and x.dim() == 2 and _quantize_cuda().supported(x, recipe):
-        return torch.ops.compiled_moe.grouped_quantize_columns_cuda(x, offs, recipe, rowwise)
+        return _grouped_quantize_columns_cuda.call_in_body(x, offs, recipe, rowwise)
     outs = _quantize_outputs(x, offs, recipe, rowwise, columnwise)
     if not use_kernel(x):
         # Copied into the kernels' layouts (padded col_data rows), so every path has one layout.
@@ -274,7 +282,7 @@ def _check_fp8(name: str, t, ndim: int) -> None:
 
 
 def _check_scale(name: str, scale, shape: tuple, recipe: str) -> None:
-    check_tensor(name, scale, len(shape), dtypes=(_scale_dtype(recipe),))
+    check_tensor(name, scale, len(shape), dtypes=(quantized_scale_dtype(recipe),))
     if tuple(scale.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)} for recipe {recipe!r}, "
                          f"got {tuple(scale.shape)}")
@@ -311,7 +319,7 @@ def _check_scaled_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype, bias=None)
 
 # bias (G, N), optional: added to each group's fp32 product before it is rounded to out_dtype
 # (as grouped_mm does); it comes last in the schema so that calls without it keep their form.
-@torch.library.triton_op("compiled_moe::scaled_grouped_mm", mutates_args=())
+@kernel_op("scaled_grouped_mm", device_types=("cuda", "cpu"), traced=True)
 @on_tensor_device
 def _scaled_grouped_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, offs: Tensor,
                        recipe: str, out_dtype: Optional[torch.dtype] = None,
@@ -320,8 +328,8 @@ def _scaled_grouped_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, o
     if not use_kernel(a):
         return reference.scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype, bias)
     if _sm90().supported(a, b, recipe, bias):
-        return torch.ops.compiled_moe.fp8_blockwise_grouped_mm_sm90(a, b, a_scale, b_scale, offs,
-                                                                    out_dtype, bias)
+        return _fp8_blockwise_grouped_mm_sm90.call_in_body(a, b, a_scale, b_scale, offs,
+                                                           out_dtype, bias)
     out = a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or torch.bfloat16)
     _kernels()[1].scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe, out, bias)
     return out
@@ -382,7 +390,7 @@ def _check_scaled_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype) -> 
     _check_out(out_dtype)
 
 
-@torch.library.triton_op("compiled_moe::scaled_grouped_mm_wgrad", mutates_args=())
+@kernel_op("scaled_grouped_mm_wgrad", device_types=("cuda", "cpu"), traced=True)
 @on_tensor_device
 def _scaled_grouped_mm_wgrad(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale: Tensor,
                              offs: Tensor, recipe: str,
@@ -392,8 +400,8 @@ def _scaled_grouped_mm_wgrad(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale:
         return reference.scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe,
                                                  out_dtype)
     if _sm90().wgrad_supported(a_t, d_t, recipe, offs.shape[0]):
-        return torch.ops.compiled_moe.fp8_grouped_mm_wgrad_sm90(a_t, d_t, a_scale, d_scale, offs,
-                                                                recipe, out_dtype)
+        return _fp8_grouped_mm_wgrad_sm90.call_in_body(a_t, d_t, a_scale, d_scale, offs, recipe,
+                                                       out_dtype)
     out = a_t.new_empty((offs.shape[0], a_t.shape[0], d_t.shape[0]),
                         dtype=out_dtype or torch.bfloat16)
     _kernels()[1].scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out)

@@ -77,7 +77,8 @@ def _check_wgrad(a, grad_out, offs, num_groups=None) -> None:
 # ---------------------------------------------------------------------------- grouped_mm
 
 
-@torch.library.triton_op("compiled_moe::grouped_mm", mutates_args=())
+@kernel_op("grouped_mm", device_types=("cuda", "cpu"), traced=True,
+           autograd="formula")
 @on_tensor_device
 def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor, bias: Optional[Tensor] = None,
                 out_dtype: Optional[torch.dtype] = None) -> Tensor:
@@ -101,7 +102,7 @@ def grouped_mm_on_device(a: Tensor, b: Tensor, offs: Tensor, bias: Optional[Tens
     allows it, else the Triton kernel (which a compiled graph launches itself, without a
     call back into Python)."""
     if cuda and cuda_kernel_applies(a, b, bias, out_dtype or a.dtype):
-        return torch.ops.compiled_moe.grouped_mm_sm90(a, b, offs, bias, out_dtype)
+        return _grouped_mm_sm90.call_in_body(a, b, offs, bias, out_dtype)
     out = a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or a.dtype)
     _kernels().grouped_mm(a, b, offs, bias, out)
     return out
@@ -144,7 +145,8 @@ _grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_se
 # ---------------------------------------------------------------------------- grouped_mm_wgrad
 
 
-@torch.library.triton_op("compiled_moe::grouped_mm_wgrad", mutates_args=())
+@kernel_op("grouped_mm_wgrad", device_types=("cuda", "cpu"), traced=True,
+           autograd="formula")
 @on_tensor_device
 def _grouped_mm_wgrad(a: Tensor, grad_out: Tensor, offs: Tensor,
                       out_dtype: Optional[torch.dtype] = None) -> Tensor:
@@ -153,7 +155,7 @@ def _grouped_mm_wgrad(a: Tensor, grad_out: Tensor, offs: Tensor,
     if not use_kernel(a):
         return reference.grouped_mm_wgrad(a, grad_out, offs, out_dtype)
     if _sm90().wgrad_supported(a, grad_out, out_dtype or a.dtype):
-        return torch.ops.compiled_moe.grouped_mm_wgrad_sm90(a, grad_out, offs, out_dtype)
+        return _grouped_mm_wgrad_sm90.call_in_body(a, grad_out, offs, out_dtype)
     out = a.new_empty((offs.shape[0], a.shape[1], grad_out.shape[1]), dtype=out_dtype or a.dtype)
     _kernels().grouped_mm_wgrad(a, grad_out, offs, out, accumulate=False, accumulate_mask=None)
     return out
@@ -320,7 +322,8 @@ def _check_grouped_sum(x, offs, out_dtype) -> None:
     check_out_dtype(out_dtype)
 
 
-@torch.library.triton_op("compiled_moe::grouped_sum", mutates_args=())
+@kernel_op("grouped_sum", device_types=("cuda", "cpu"), traced=True,
+           autograd="formula")
 @on_tensor_device
 def _grouped_sum(x: Tensor, offs: Tensor, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     _check_grouped_sum(x, offs, out_dtype)

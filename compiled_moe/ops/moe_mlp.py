@@ -37,6 +37,7 @@ from compiled_moe.ops._dispatch import (
     check_same_device,
     check_same_dtype,
     check_tensor,
+    kernel_op,
     on_tensor_device,
     use_kernel,
 )
@@ -140,7 +141,8 @@ def _fc1_on_cuda(x: Tensor, source: Optional[Tensor], w1: Tensor, b1: Optional[T
 # ---------------------------------------------------------------------------- moe_mlp
 
 
-@torch.library.triton_op("compiled_moe::moe_mlp", mutates_args=())
+@kernel_op("moe_mlp", device_types=("cuda", "cpu"), traced=True,
+           autograd="formula")
 @on_tensor_device
 def _moe_mlp(x: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, activation: str,
              gate_up_layout: str = "stacked", probs: Optional[Tensor] = None,
@@ -288,7 +290,7 @@ def _dgrad_outputs(dy, w2, h, probs):
     return (h.new_empty(h.shape), h.new_empty((dy.shape[0], w2.shape[2])), dprobs)
 
 
-@torch.library.triton_op("compiled_moe::moe_mlp_fc2_dgrad", mutates_args=())
+@kernel_op("moe_mlp_fc2_dgrad", device_types=("cuda", "cpu"), traced=True)
 @on_tensor_device
 def _moe_mlp_fc2_dgrad(dy: Tensor, w2: Tensor, h: Tensor, offs: Tensor, probs: Optional[Tensor],
                        activation: str, gate_up_layout: str, alpha: float, limit: float

@@ -60,7 +60,7 @@ def _route_outputs(topk_ids, num_experts, pad_multiple):
     return new(num_experts), new(num_tokens, k), new(capacity)
 
 
-@kernel_op("moe_route", device_types=("cuda", "cpu"))
+@kernel_op("moe_route", device_types=("cuda", "cpu"), autograd="none")
 @on_tensor_device
 def _moe_route(topk_ids: Tensor, num_experts: int, pad_multiple: int = 1
                ) -> tuple[Tensor, Tensor, Tensor]:
@@ -168,7 +168,8 @@ def _check_unpermute(y, row_of, source, weights) -> None:
     _check_pair_tensor("weights", weights, row_of)
 
 
-@torch.library.triton_op("compiled_moe::moe_permute", mutates_args=())
+@kernel_op("moe_permute", device_types=("cuda", "cpu"), traced=True,
+           autograd="formula")
 @on_tensor_device
 def _moe_permute(hidden: Tensor, row_of: Tensor, source: Tensor,
                  scale: Optional[Tensor] = None) -> Tensor:
@@ -205,7 +206,8 @@ def _permute_backward(ctx, grad):
 _moe_permute.register_autograd(_permute_backward, setup_context=_permute_setup)
 
 
-@torch.library.triton_op("compiled_moe::moe_unpermute", mutates_args=())
+@kernel_op("moe_unpermute", device_types=("cuda", "cpu"), traced=True,
+           autograd="formula")
 @on_tensor_device
 def _moe_unpermute(y: Tensor, row_of: Tensor, source: Tensor,
                    weights: Optional[Tensor] = None) -> Tensor:
@@ -257,7 +259,7 @@ def _check_unpermute_backward(grad_out, y, row_of, source, weights) -> None:
                          "they must match")
 
 
-@torch.library.triton_op("compiled_moe::moe_unpermute_backward", mutates_args=())
+@kernel_op("moe_unpermute_backward", device_types=("cuda", "cpu"), traced=True)
 @on_tensor_device
 def _moe_unpermute_backward(grad_out: Tensor, y: Tensor, row_of: Tensor, source: Tensor,
                             weights: Tensor) -> tuple[Tensor, Tensor]:
