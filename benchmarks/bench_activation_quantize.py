@@ -128,7 +128,8 @@ def part_mlp(model, rounds):
     best = {k: min(v) for k, v in times.items()}
     return dict(model=model.name, rows=rows, fused_ms=best["fused graph"],
                 composed_ms=best["composed graph"], bf16_ms=best["bf16 graph"], ratio=ratio,
-                ratio_range=(lo, hi), bf16_ratio=paired_ratio(times, "fused graph", "bf16 graph")[0],
+                ratio_range=(lo, hi),
+                bf16_ratio=paired_ratio(times, "fused graph", "bf16 graph")[0],
                 fused_eager_ms=best["fused"], bf16_eager_ms=best["bf16"],
                 bf16_eager_ratio=paired_ratio(times, "fused", "bf16")[0])
 

@@ -415,16 +415,24 @@ def test_every_op_body_runs_on_its_tensors_device():
     assert not unguarded, f"op bodies without on_tensor_device: {unguarded}"
 
 
-def test_every_op_has_an_autograd_kernel():
-    """Every op with float inputs has an autograd kernel: its formula, or one that raises on a
-    backward through it (kernel_op's autograd="raise"). torch's fallback for ops without one
-    only warns, and the gradient through the op is lost."""
-    names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("compiled_moe::")
-             and not n.startswith("compiled_moe::test_only")]
-    assert len(names) >= 20
-    without = [n for n in names if n != "compiled_moe::moe_route"
-               and not torch._C._dispatch_has_kernel_for_dispatch_key(n, "Autograd")]
-    assert not without, f"ops without an autograd kernel: {without}"
+# Ops without an autograd kernel (kernel_op's autograd="none"): the route (integer inputs) and
+# the CUDA kernels' ops, which the public ops' bodies call below autograd and compiled graphs
+# call as opaque nodes, where the layer would cost host time.
+NO_AUTOGRAD_OPS = {"moe_route", "grouped_mm_sm90", "grouped_mm_wgrad_sm90",
+                   "fp8_blockwise_grouped_mm_sm90", "fp8_grouped_mm_wgrad_sm90",
+                   "grouped_quantize_columns_cuda"}
+
+
+def test_every_public_op_has_an_autograd_kernel():
+    """Every other op has an autograd kernel: its formula, or one that raises on a backward
+    through it (kernel_op's autograd="raise"). torch's fallback for ops without one only warns,
+    and the gradient through the op is lost."""
+    names = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names()
+             if n.startswith("compiled_moe::") and not n.startswith("compiled_moe::test_only")}
+    assert len(names) >= 20 and NO_AUTOGRAD_OPS <= names
+    has = {n for n in names
+           if torch._C._dispatch_has_kernel_for_dispatch_key(f"compiled_moe::{n}", "Autograd")}
+    assert names - has == NO_AUTOGRAD_OPS
 
 
 def test_backward_through_an_op_without_a_formula_raises():
@@ -437,6 +445,42 @@ def test_backward_through_an_op_without_a_formula_raises():
         x.detach(), offs, "fp8_blockwise")[0].view(torch.uint8))
     with pytest.raises(RuntimeError, match="compiled_moe.grouped_quantize is not differentiable"):
         scale.sum().backward()
+
+
+def test_call_op_runs_the_kernel_straight_only_where_the_dispatcher_would(monkeypatch):
+    """call_op (the package's own calls of its ops) runs an op's kernel without the dispatcher
+    on plain tensors, and dispatches the op where a mode, torch.compile or autograd must see
+    it; both give the op's result."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from compiled_moe.ops import _dispatch
+
+    op = _dispatch._KERNEL_OPS["grouped_quantize"]
+    straight = []
+    kernel = op._kernel
+    monkeypatch.setattr(op, "_kernel", lambda *a, **k: straight.append(1) or kernel(*a, **k))
+
+    class Seen(TorchDispatchMode):
+        ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(16, 128)
+    offs = torch.tensor([7, 16], dtype=torch.int32)
+    want = torch.ops.compiled_moe.grouped_quantize(x, offs, "fp8_blockwise", True, True)
+    got = _dispatch.call_op("grouped_quantize", x, offs, "fp8_blockwise", True, True)
+    assert len(straight) == 1
+    for g, w in zip(got, want):
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+    with Seen():
+        _dispatch.call_op("grouped_quantize", x, offs, "fp8_blockwise", True, True)
+    assert "compiled_moe.grouped_quantize.default" in Seen.ops and len(straight) == 1
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        scale = _dispatch.call_op("grouped_quantize", x.requires_grad_(), offs, "fp8_blockwise")[1]
+        scale.sum().backward()
+    assert len(straight) == 1
 
 
 # ------------------------------------------------------------------ split K's bound (no GPU)

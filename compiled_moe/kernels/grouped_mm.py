@@ -380,7 +380,7 @@ def cpp_wrapper_scratch_covers_grid() -> bool:
 
 def _traced(tensors) -> bool:
     """Whether these are tensors of a trace rather than data. torch 2.11 reports
-    torch.compiler.is_compiling() False while AOTAutograd traces a triton_op's body (whose
+    torch.compiler.is_compiling() False while AOTAutograd traces an op's body (whose
     tensors are FunctionalTensors there), so the tensors' types and dynamo's tracing context
     are asked too. An eager launch pays about 1.5 us here (CPU host)."""
     if torch.compiler.is_compiling():

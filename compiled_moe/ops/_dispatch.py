@@ -68,26 +68,21 @@ def on_tensor_device(op_body):
 
 
 _LIBRARY = torch.library.Library("compiled_moe", "FRAGMENT")
+_KERNEL_OPS: dict = {}  # name -> KernelOp
 _DISPATCH_KEYS = {"cuda": "CUDA", "cpu": "CPU"}
 
 
 class KernelOp:
     """An op registered by kernel_op: call it, or register its fake as with custom_op."""
 
-    def __init__(self, name: str, body):
+    def __init__(self, name: str, body, device_types=("cuda",)):
         self.qualname, self._body = f"compiled_moe::{name}", body
+        self.device_types = device_types
+        self._kernel = _launching_triton_directly(body)
         functools.update_wrapper(self, body)
 
     def __call__(self, *args, **kwargs):
         return self._body(*args, **kwargs)
-
-    def call_in_body(self, *args):
-        """The op called from another op's body: on real tensors its body, straight (eager: the
-        dispatcher's second trip costs 15-30 us of host time on the H200's host); on a trace's
-        tensors the op, which the graph keeps as one node."""
-        if is_real_tensor(args[0]):
-            return self._body(*args)
-        return getattr(torch.ops.compiled_moe, self.qualname.split("::")[1])(*args)
 
     def register_fake(self, fake):
         torch.library.register_fake(self.qualname, fake, lib=_LIBRARY)
@@ -123,6 +118,22 @@ class KernelOp:
         return traced
 
 
+def call_op(name: str, *args, **kwargs):
+    """``torch.ops.compiled_moe.<name>(*args, **kwargs)`` from the package's own code (op
+    bodies, autograd functions), which runs eagerly or under a trace: the op's kernel straight
+    where that is what the dispatcher would run (real tensors on a device of the op, not under
+    torch.compile or a dispatch mode, no autograd to record), else the op, which a graph keeps
+    as one node and a mode sees. Each dispatch costs 15-30 us of host time on the H200's host
+    (the dispatcher's trip and an autograd layer)."""
+    op = _KERNEL_OPS[name]
+    t = args[0]
+    if (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+            and is_real_tensor(t) and t.device.type in op.device_types
+            and not (torch.is_grad_enabled() and torch._C._any_requires_grad(*args, **kwargs))):
+        return op._kernel(*args, **kwargs)
+    return getattr(torch.ops.compiled_moe, name)(*args, **kwargs)
+
+
 def kernel_op(name: str, *, device_types=("cuda",), traced: bool = False,
               autograd: str = "raise"):
     """Register the decorated function as ``torch.ops.compiled_moe.<name>``, an op without
@@ -142,17 +153,18 @@ def kernel_op(name: str, *, device_types=("cuda",), traced: bool = False,
     autograd: "raise": a backward through the op raises, as through a custom_op without an
         autograd formula (torch's fallback for ops without one warns and drops the gradient);
         "formula": the op registers its own (``register_autograd``); "none": no autograd layer,
-        for ops without float inputs (the route), which then skip its host time.
+        whose Python call costs about 10 us of host time: for ops without float inputs (the
+        route) and the CUDA kernels' ops, which other ops' bodies call below autograd and
+        compiled graphs call as opaque nodes.
     """
     if autograd not in ("raise", "formula", "none"):
         raise ValueError(f"autograd must be 'raise', 'formula' or 'none', got {autograd!r}")
 
     def register(body) -> KernelOp:
         _LIBRARY.define(name + torch.library.infer_schema(body, mutates_args=()))
-        kernel = _launching_triton_directly(body)
+        op = _KERNEL_OPS[name] = KernelOp(name, body, device_types)
         for device_type in device_types:
-            _LIBRARY.impl(name, kernel, _DISPATCH_KEYS[device_type])
-        op = KernelOp(name, body)
+            _LIBRARY.impl(name, op._kernel, _DISPATCH_KEYS[device_type])
         if traced:
             op.register_traced(body)
         if autograd == "raise":

@@ -5,7 +5,8 @@ torch.ops.compiled_moe.moe_activation_backward   d h from d a (recomputes from h
 torch.ops.compiled_moe.moe_scaled_activation_backward
                                                  (d h, d probs) of a = act(h) * probs, one pass
 
-``triton_op``s: on CUDA one Triton kernel each way; elsewhere the reference formulas.
+``kernel_op``s whose bodies compiled graphs trace (as a ``triton_op``'s): on CUDA one Triton
+kernel each way; elsewhere the reference formulas.
 One kernel reads gate and up once and writes both gradient halves; the composition of torch ops
 it replaces (cast, split, silu, mul, cast, and their backward) takes 5 kernels eager, and
 inductor's fusion of its backward reads h more than once (measured: 207 us on the Qwen3

@@ -7,11 +7,12 @@ torch.ops.compiled_moe.moe_activation_quantize  FC2's FP8 input: grouped_quantiz
 torch.ops.compiled_moe.scaled_grouped_mm        out = a @ b[g] per row group, FP8 operands
 torch.ops.compiled_moe.scaled_grouped_mm_wgrad  out[g] = a_g^T @ d_g from columnwise FP8 data
 
-``triton_op``s: Triton kernels on CUDA, the reference elsewhere; on Hopper the fp8_blockwise
-GEMM and the fp8_blockwise / fp8_rowwise weight gradient call the CUDA kernels of
-``csrc/fp8_grouped_mm.cu`` through opaque custom ops (below). Layouts of data and scales are
-documented in ``reference.grouped_quantize``. None of them is differentiable: training goes
-through ``compiled_moe.fp8.fp8_grouped_mm``, whose autograd quantizes the gradients.
+``kernel_op``s whose bodies compiled graphs trace (as a ``triton_op``'s): Triton kernels on
+CUDA, the reference elsewhere; on Hopper the fp8_blockwise GEMM and the fp8_blockwise /
+fp8_rowwise weight gradient call the CUDA kernels of ``csrc/fp8_grouped_mm.cu`` through opaque
+ops (below). Layouts of data and scales are documented in ``reference.grouped_quantize``. None
+of them is differentiable (a backward through them raises): training goes through
+``compiled_moe.fp8.fp8_grouped_mm``, whose autograd quantizes the gradients.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import Tensor
 from compiled_moe import reference
 from compiled_moe.ops._dispatch import (
     OP_DTYPES,
+    call_op,
     check_bias,
     check_offs,
     check_same_device,
@@ -143,7 +145,7 @@ def _grouped_quantize(x: Tensor, offs: Optional[Tensor], recipe: str, rowwise: b
                       columnwise: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_quantize(x, offs, recipe, rowwise, columnwise)
     if columnwise and x.dim() == 2 and _quantize_cuda().supported(x, recipe):
-        return _grouped_quantize_columns_cuda.call_in_body(x, offs, recipe, rowwise)
+        return call_op("grouped_quantize_columns_cuda", x, offs, recipe, rowwise)
     outs = _quantize_outputs(x, offs, recipe, rowwise, columnwise)
     if not use_kernel(x):
         # Copied into the kernels' layouts (padded col_data rows), so every path has one layout.
@@ -189,7 +191,7 @@ def _(x, offs, recipe, rowwise=True, columnwise=False):
 # GEMMs: inductor cannot trace a driver launch. It repeats the checks (it is reachable as
 # torch.ops.compiled_moe.grouped_quantize_columns_cuda) and runs the Triton kernels where x's
 # address is not 16-byte aligned or the slot table does not fit in shared memory.
-@kernel_op("grouped_quantize_columns_cuda")
+@kernel_op("grouped_quantize_columns_cuda", autograd="none")
 @on_tensor_device
 def _grouped_quantize_columns_cuda(x: Tensor, offs: Tensor, recipe: str,
                                    rowwise: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -328,8 +330,8 @@ def _scaled_grouped_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, o
     if not use_kernel(a):
         return reference.scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype, bias)
     if _sm90().supported(a, b, recipe, bias):
-        return _fp8_blockwise_grouped_mm_sm90.call_in_body(a, b, a_scale, b_scale, offs,
-                                                           out_dtype, bias)
+        return call_op("fp8_blockwise_grouped_mm_sm90", a, b, a_scale, b_scale, offs, out_dtype,
+                       bias)
     out = a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or torch.bfloat16)
     _kernels()[1].scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe, out, bias)
     return out
@@ -345,7 +347,7 @@ def _(a, b, a_scale, b_scale, offs, recipe, out_dtype=None, bias=None):
 # Hopper. An opaque custom op, because inductor cannot trace a driver launch. It repeats
 # scaled_grouped_mm's checks (a few microseconds of host time): it is reachable as
 # torch.ops.compiled_moe.fp8_blockwise_grouped_mm_sm90, and a bad call must not reach the kernel.
-@kernel_op("fp8_blockwise_grouped_mm_sm90")
+@kernel_op("fp8_blockwise_grouped_mm_sm90", autograd="none")
 @on_tensor_device
 def _fp8_blockwise_grouped_mm_sm90(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor,
                                    offs: Tensor, out_dtype: Optional[torch.dtype] = None,
@@ -400,8 +402,8 @@ def _scaled_grouped_mm_wgrad(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale:
         return reference.scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe,
                                                  out_dtype)
     if _sm90().wgrad_supported(a_t, d_t, recipe, offs.shape[0]):
-        return _fp8_grouped_mm_wgrad_sm90.call_in_body(a_t, d_t, a_scale, d_scale, offs, recipe,
-                                                       out_dtype)
+        return call_op("fp8_grouped_mm_wgrad_sm90", a_t, d_t, a_scale, d_scale, offs, recipe,
+                       out_dtype)
     out = a_t.new_empty((offs.shape[0], a_t.shape[0], d_t.shape[0]),
                         dtype=out_dtype or torch.bfloat16)
     _kernels()[1].scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out)
@@ -428,7 +430,7 @@ def _check_sm90_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype) -> No
 # nothing otherwise; the Triton kernel launched after it tests the same condition on offs, on
 # the device, and does the opposite, so neither the host nor the graph needs to know which case
 # it is (no sync).
-@kernel_op("fp8_grouped_mm_wgrad_sm90")
+@kernel_op("fp8_grouped_mm_wgrad_sm90", autograd="none")
 @on_tensor_device
 def _fp8_grouped_mm_wgrad_sm90(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale: Tensor,
                                offs: Tensor, recipe: str,

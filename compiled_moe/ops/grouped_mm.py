@@ -7,10 +7,11 @@ torch.ops.compiled_moe.grouped_sum                out[g] = sum of x's rows in gr
 torch.ops.compiled_moe.grouped_mm_sm90, grouped_mm_wgrad_sm90, grouped_mm_wgrad_accumulate_sm90_
                                                   the Hopper CUDA kernels the ops above call
 
-They are ``triton_op``s: on CUDA the body launches Triton kernels through ``wrap_triton`` so
-inductor sees and inlines them, or, on Hopper with TMA-friendly operands, calls the CUDA
-kernels of csrc/grouped_mm.cu through opaque custom ops; elsewhere the body is the
-pure-torch reference.
+They are ``kernel_op``s whose bodies compiled graphs trace, as a ``triton_op``'s (``traced=True``):
+on CUDA the body launches Triton kernels through ``wrap_triton`` so inductor sees and inlines
+them, or, on Hopper with TMA-friendly operands, calls the CUDA kernels of csrc/grouped_mm.cu
+through opaque ops; elsewhere the body is the pure-torch reference. The in-place weight
+gradients stay ``triton_op``/``custom_op`` (custom_op bumps the mutated buffer's version).
 No kernels need fixed strides (both b layouts and any a strides are handled; TMA is used when
 the strides allow it), so no layout tag is set.
 """
@@ -24,6 +25,7 @@ from torch import Tensor
 
 from compiled_moe import reference
 from compiled_moe.ops._dispatch import (
+    call_op,
     check_bias,
     check_offs,
     check_out_dtype,
@@ -102,7 +104,7 @@ def grouped_mm_on_device(a: Tensor, b: Tensor, offs: Tensor, bias: Optional[Tens
     allows it, else the Triton kernel (which a compiled graph launches itself, without a
     call back into Python)."""
     if cuda and cuda_kernel_applies(a, b, bias, out_dtype or a.dtype):
-        return _grouped_mm_sm90.call_in_body(a, b, offs, bias, out_dtype)
+        return call_op("grouped_mm_sm90", a, b, offs, bias, out_dtype)
     out = a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or a.dtype)
     _kernels().grouped_mm(a, b, offs, bias, out)
     return out
@@ -155,7 +157,7 @@ def _grouped_mm_wgrad(a: Tensor, grad_out: Tensor, offs: Tensor,
     if not use_kernel(a):
         return reference.grouped_mm_wgrad(a, grad_out, offs, out_dtype)
     if _sm90().wgrad_supported(a, grad_out, out_dtype or a.dtype):
-        return _grouped_mm_wgrad_sm90.call_in_body(a, grad_out, offs, out_dtype)
+        return call_op("grouped_mm_wgrad_sm90", a, grad_out, offs, out_dtype)
     out = a.new_empty((offs.shape[0], a.shape[1], grad_out.shape[1]), dtype=out_dtype or a.dtype)
     _kernels().grouped_mm_wgrad(a, grad_out, offs, out, accumulate=False, accumulate_mask=None)
     return out
@@ -245,7 +247,7 @@ def _(main_grad, a, grad_out, offs, accumulate_mask=None):
 # the Triton kernels.
 
 
-@kernel_op("grouped_mm_sm90")
+@kernel_op("grouped_mm_sm90", autograd="none")
 @on_tensor_device
 def _grouped_mm_sm90(a: Tensor, b: Tensor, offs: Tensor, bias: Optional[Tensor] = None,
                      out_dtype: Optional[torch.dtype] = None) -> Tensor:
@@ -265,7 +267,7 @@ def _(a, b, offs, bias=None, out_dtype=None):
     return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or a.dtype)
 
 
-@kernel_op("grouped_mm_wgrad_sm90")
+@kernel_op("grouped_mm_wgrad_sm90", autograd="none")
 @on_tensor_device
 def _grouped_mm_wgrad_sm90(a: Tensor, grad_out: Tensor, offs: Tensor,
                            out_dtype: Optional[torch.dtype] = None) -> Tensor:

@@ -18,8 +18,8 @@ weight-gradient operand) and dprobs. (The activation backward in the dgrad GEMM'
 built and measured slower: 682 against 578 us for the two kernels at the Qwen3 shape on the
 H200, TMA epilogue; the epilogue's gate, up, activation and gradient tiles beside the
 accumulator exceed the registers of a 128x128 tile.) The other backward GEMMs are the
-grouped GEMM ops. ``triton_op``s: on CUDA the bodies
-launch Triton kernels; elsewhere they run the reference.
+grouped GEMM ops. ``kernel_op``s whose bodies compiled graphs trace (as a ``triton_op``'s): on
+CUDA the bodies launch Triton kernels; elsewhere they run the reference.
 """
 
 from __future__ import annotations
