@@ -20,6 +20,7 @@ from torch import Tensor
 
 from compiled_moe import reference
 from compiled_moe.ops._dispatch import (
+    call_op,
     check_same_device,
     check_tensor,
     kernel_op,
@@ -119,7 +120,7 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad):
     (h,) = ctx.saved_tensors
-    grad_h = torch.ops.compiled_moe.moe_activation_backward(grad.to(h.dtype), h, *ctx.args)
+    grad_h = call_op("moe_activation_backward", grad.to(h.dtype), h, *ctx.args)
     return grad_h, None, None, None, None
 
 

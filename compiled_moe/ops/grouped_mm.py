@@ -129,15 +129,15 @@ def _grouped_mm_backward(ctx, grad):
     if ctx.needs_input_grad[0]:
         # dgrad: the same kernel with b transposed, no copy (b.mT of an nn.Linear weight view
         # is the contiguous weight itself).
-        grad_a = torch.ops.compiled_moe.grouped_mm(grad, b.mT, offs)
+        grad_a = call_op("grouped_mm", grad, b.mT, offs)
     if ctx.needs_input_grad[1]:
         if is_transposed_weight(b):
             # Write the gradient in the weight's own (G, N, K) storage order.
-            grad_b = torch.ops.compiled_moe.grouped_mm_wgrad(grad, a, offs, out_dtype=b.dtype).mT
+            grad_b = call_op("grouped_mm_wgrad", grad, a, offs, out_dtype=b.dtype).mT
         else:
-            grad_b = torch.ops.compiled_moe.grouped_mm_wgrad(a, grad, offs, out_dtype=b.dtype)
+            grad_b = call_op("grouped_mm_wgrad", a, grad, offs, out_dtype=b.dtype)
     if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
-        grad_bias = torch.ops.compiled_moe.grouped_sum(grad, offs, out_dtype=ctx.bias_dtype)
+        grad_bias = call_op("grouped_sum", grad, offs, out_dtype=ctx.bias_dtype)
     return grad_a, grad_b, None, grad_bias, None
 
 
@@ -180,9 +180,9 @@ def _wgrad_backward(ctx, dw):
     dw = dw.to(a.dtype)
     da = dd = None
     if ctx.needs_input_grad[0]:
-        da = torch.ops.compiled_moe.grouped_mm(grad_out, dw.mT, offs)
+        da = call_op("grouped_mm", grad_out, dw.mT, offs)
     if ctx.needs_input_grad[1]:
-        dd = torch.ops.compiled_moe.grouped_mm(a, dw, offs)
+        dd = call_op("grouped_mm", a, dw, offs)
     return da, dd, None, None
 
 
