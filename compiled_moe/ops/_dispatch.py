@@ -168,8 +168,7 @@ def kernel_op(name: str, *, device_types=("cuda",), traced: bool = False,
         if traced:
             op.register_traced(body)
         if autograd == "raise":
-            torch.library.register_autograd(op.qualname, functools.partial(_no_backward, name),
-                                            lib=_LIBRARY)
+            op.register_autograd(functools.partial(_no_backward, name))
         return op
 
     return register
