@@ -483,6 +483,29 @@ def test_call_op_runs_the_kernel_straight_only_where_the_dispatcher_would(monkey
     assert len(straight) == 1
 
 
+def test_checks_are_skipped_only_for_the_cuda_kernels_ops_called_by_their_checked_callers():
+    """call_op(..., checked=True) skips an op's checks only where the op has a body past them
+    (the CUDA kernels' ops, whose callers made the same checks), with the same parameters as
+    the op; every other op, and every dispatched call, still checks."""
+    import inspect
+
+    from compiled_moe.ops import _dispatch
+
+    with_unchecked = {n for n, op in _dispatch._KERNEL_OPS.items()
+                      if op._unchecked is not op._kernel}
+    assert with_unchecked == NO_AUTOGRAD_OPS - {"moe_route"}
+    for name in with_unchecked:
+        op = _dispatch._KERNEL_OPS[name]
+        body = inspect.signature(op._body).parameters
+        unchecked = inspect.signature(op._unchecked).parameters
+        assert list(body) == list(unchecked), name
+        assert [p.default for p in body.values()] == [p.default for p in unchecked.values()], name
+    bad_offs = torch.tensor([16], dtype=torch.int64)
+    with pytest.raises(TypeError, match="offs must be int32"):
+        _dispatch.call_op("grouped_quantize", torch.randn(16, 128), bad_offs, "fp8_blockwise",
+                          checked=True)
+
+
 # ------------------------------------------------------------------ split K's bound (no GPU)
 
 # (hidden, inter, experts, top_k) of DeepSeek-V3 EP8, Qwen3-30B-A3B, Mixtral-8x7B, GPT-OSS-120B

@@ -113,8 +113,6 @@ def _quantize_outputs(x, offs, recipe, rowwise, columnwise, shape=None):
     """Empty outputs of the right shapes (and strides) for the kernels and the fake; x gives
     the dtype and device, and the shape unless ``shape`` does."""
     sdt = quantized_scale_dtype(recipe)
-    none8 = x.new_empty((0,), dtype=FP8_DTYPE)
-    none_s = x.new_empty((0,), dtype=sdt)
     data = scale = col_data = col_scale = None
     shape = tuple(x.shape) if shape is None else shape
     if len(shape) == 3:
@@ -135,8 +133,11 @@ def _quantize_outputs(x, offs, recipe, rowwise, columnwise, shape=None):
             # Rows padded to 16 bytes: the weight-gradient kernel reads it through TMA.
             col_data = x.new_empty_strided((k, m), (_cdiv(m, 16) * 16, 1), dtype=FP8_DTYPE)
             col_scale = x.new_empty((k, fp8_column_slots(m, offs.shape[0], recipe)), dtype=sdt)
-    return (none8 if data is None else data, none_s if scale is None else scale,
-            none8 if col_data is None else col_data, none_s if col_scale is None else col_scale)
+    if data is None or col_data is None:  # an output not asked for: empty (allocated only then)
+        none8, none_s = x.new_empty((0,), dtype=FP8_DTYPE), x.new_empty((0,), dtype=sdt)
+        data, scale = (none8, none_s) if data is None else (data, scale)
+        col_data, col_scale = (none8, none_s) if col_data is None else (col_data, col_scale)
+    return data, scale, col_data, col_scale
 
 
 @kernel_op("grouped_quantize", device_types=("cuda", "cpu"), traced=True)
@@ -145,7 +146,7 @@ def _grouped_quantize(x: Tensor, offs: Optional[Tensor], recipe: str, rowwise: b
                       columnwise: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_quantize(x, offs, recipe, rowwise, columnwise)
     if columnwise and x.dim() == 2 and _quantize_cuda().supported(x, recipe):
-        return call_op("grouped_quantize_columns_cuda", x, offs, recipe, rowwise)
+        return call_op("grouped_quantize_columns_cuda", x, offs, recipe, rowwise, checked=True)
     outs = _quantize_outputs(x, offs, recipe, rowwise, columnwise)
     if not use_kernel(x):
         # Copied into the kernels' layouts (padded col_data rows), so every path has one layout.
@@ -189,25 +190,31 @@ def _(x, offs, recipe, rowwise=True, columnwise=False):
 # columnwise output of 2-D x (0.49-0.63 of copy bandwidth on the H200 with rowwise output too,
 # where the Triton launches reached 0.32-0.41; benchmarks/RESULTS.md). Opaque, as the Hopper
 # GEMMs: inductor cannot trace a driver launch. It repeats the checks (it is reachable as
-# torch.ops.compiled_moe.grouped_quantize_columns_cuda) and runs the Triton kernels where x's
-# address is not 16-byte aligned or the slot table does not fit in shared memory.
-@kernel_op("grouped_quantize_columns_cuda", autograd="none")
-@on_tensor_device
-def _grouped_quantize_columns_cuda(x: Tensor, offs: Tensor, recipe: str,
-                                   rowwise: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    _check_quantize(x, offs, recipe, rowwise, True)
+# torch.ops.compiled_moe.grouped_quantize_columns_cuda; grouped_quantize's body, which made
+# them, skips them) and runs the Triton kernels where x's address is not 16-byte aligned or the
+# slot table does not fit in shared memory.
+def _run_grouped_quantize_columns_cuda(x, offs, recipe, rowwise):
     outs = _quantize_outputs(x, offs, recipe, rowwise, True)
     data, scale, col_data, col_scale = outs
     cuda = _quantize_cuda()
-    if not cuda.supported(x, recipe):
-        raise ValueError(f"x (shape {tuple(x.shape)}, strides {x.stride()}, {x.dtype}) or recipe "
-                         f"{recipe!r} is not supported by the CUDA quantize kernels")
     if cuda.aligned(x) and cuda.fits(x, recipe, col_scale.shape[1]):
         cuda.quantize_group_columns(x, offs, col_data, col_scale, data if rowwise else None,
                                     scale if rowwise else None, recipe)
     else:
         _quantize_into(x, offs, recipe, rowwise, True, outs)
     return outs
+
+
+@kernel_op("grouped_quantize_columns_cuda", autograd="none",
+           unchecked=_run_grouped_quantize_columns_cuda)
+@on_tensor_device
+def _grouped_quantize_columns_cuda(x: Tensor, offs: Tensor, recipe: str,
+                                   rowwise: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_quantize(x, offs, recipe, rowwise, True)
+    if not _quantize_cuda().supported(x, recipe):
+        raise ValueError(f"x (shape {tuple(x.shape)}, strides {x.stride()}, {x.dtype}) or recipe "
+                         f"{recipe!r} is not supported by the CUDA quantize kernels")
+    return _run_grouped_quantize_columns_cuda(x, offs, recipe, rowwise)
 
 
 @_grouped_quantize_columns_cuda.register_fake
@@ -331,7 +338,7 @@ def _scaled_grouped_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, o
         return reference.scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype, bias)
     if _sm90().supported(a, b, recipe, bias):
         return call_op("fp8_blockwise_grouped_mm_sm90", a, b, a_scale, b_scale, offs, out_dtype,
-                       bias)
+                       bias, checked=True)
     out = a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or torch.bfloat16)
     _kernels()[1].scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe, out, bias)
     return out
@@ -344,15 +351,11 @@ def _(a, b, a_scale, b_scale, offs, recipe, out_dtype=None, bias=None):
 
 
 # The CUDA kernel of csrc/fp8_grouped_mm.cu, which scaled_grouped_mm calls for fp8_blockwise on
-# Hopper. An opaque custom op, because inductor cannot trace a driver launch. It repeats
-# scaled_grouped_mm's checks (a few microseconds of host time): it is reachable as
-# torch.ops.compiled_moe.fp8_blockwise_grouped_mm_sm90, and a bad call must not reach the kernel.
-@kernel_op("fp8_blockwise_grouped_mm_sm90", autograd="none")
-@on_tensor_device
-def _fp8_blockwise_grouped_mm_sm90(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor,
-                                   offs: Tensor, out_dtype: Optional[torch.dtype] = None,
-                                   bias: Optional[Tensor] = None) -> Tensor:
-    _check_scaled_mm(a, b, a_scale, b_scale, offs, "fp8_blockwise", out_dtype, bias)
+# Hopper. An opaque custom op, because inductor cannot trace a driver launch. It makes
+# scaled_grouped_mm's checks (it is reachable as
+# torch.ops.compiled_moe.fp8_blockwise_grouped_mm_sm90, and a bad call must not reach the
+# kernel); scaled_grouped_mm's body, which made them, skips them.
+def _run_fp8_blockwise_grouped_mm_sm90(a, b, a_scale, b_scale, offs, out_dtype=None, bias=None):
     (m, k), n = a.shape, b.shape[2]
     out = a.new_empty((m, n), dtype=out_dtype or torch.bfloat16)
     if m == 0 or n == 0:
@@ -363,6 +366,16 @@ def _fp8_blockwise_grouped_mm_sm90(a: Tensor, b: Tensor, a_scale: Tensor, b_scal
     else:  # K = 0, an unaligned view or a strided bias: the Triton kernel handles them
         _kernels()[1].scaled_grouped_mm(a, b, a_scale, b_scale, offs, "fp8_blockwise", out, bias)
     return out
+
+
+@kernel_op("fp8_blockwise_grouped_mm_sm90", autograd="none",
+           unchecked=_run_fp8_blockwise_grouped_mm_sm90)
+@on_tensor_device
+def _fp8_blockwise_grouped_mm_sm90(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor,
+                                   offs: Tensor, out_dtype: Optional[torch.dtype] = None,
+                                   bias: Optional[Tensor] = None) -> Tensor:
+    _check_scaled_mm(a, b, a_scale, b_scale, offs, "fp8_blockwise", out_dtype, bias)
+    return _run_fp8_blockwise_grouped_mm_sm90(a, b, a_scale, b_scale, offs, out_dtype, bias)
 
 
 @_fp8_blockwise_grouped_mm_sm90.register_fake
@@ -403,7 +416,7 @@ def _scaled_grouped_mm_wgrad(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale:
                                                  out_dtype)
     if _sm90().wgrad_supported(a_t, d_t, recipe, offs.shape[0]):
         return call_op("fp8_grouped_mm_wgrad_sm90", a_t, d_t, a_scale, d_scale, offs, recipe,
-                       out_dtype)
+                       out_dtype, checked=True)
     out = a_t.new_empty((offs.shape[0], a_t.shape[0], d_t.shape[0]),
                         dtype=out_dtype or torch.bfloat16)
     _kernels()[1].scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out)
@@ -425,17 +438,13 @@ def _check_sm90_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype) -> No
 
 
 # The CUDA weight-gradient kernel of csrc/fp8_grouped_mm.cu (fp8_blockwise and fp8_rowwise on
-# Hopper), opaque for the same reason as the forward's, with the same checks. It computes
+# Hopper), opaque for the same reason as the forward's, with the same checks (skipped from
+# scaled_grouped_mm_wgrad's body, which made them). It computes
 # everything when every group after the first starts at a multiple of 16 rows (TMA's rule) and
 # nothing otherwise; the Triton kernel launched after it tests the same condition on offs, on
 # the device, and does the opposite, so neither the host nor the graph needs to know which case
 # it is (no sync).
-@kernel_op("fp8_grouped_mm_wgrad_sm90", autograd="none")
-@on_tensor_device
-def _fp8_grouped_mm_wgrad_sm90(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale: Tensor,
-                               offs: Tensor, recipe: str,
-                               out_dtype: Optional[torch.dtype] = None) -> Tensor:
-    _check_sm90_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype)
+def _run_fp8_grouped_mm_wgrad_sm90(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype=None):
     sm90 = _sm90()
     (k, _), n, g = a_t.shape, d_t.shape[0], offs.shape[0]
     out = a_t.new_empty((g, k, n), dtype=out_dtype or torch.bfloat16)
@@ -450,6 +459,15 @@ def _fp8_grouped_mm_wgrad_sm90(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scal
     else:  # an unaligned view: the Triton kernel alone
         _kernels()[1].scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out)
     return out
+
+
+@kernel_op("fp8_grouped_mm_wgrad_sm90", autograd="none", unchecked=_run_fp8_grouped_mm_wgrad_sm90)
+@on_tensor_device
+def _fp8_grouped_mm_wgrad_sm90(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale: Tensor,
+                               offs: Tensor, recipe: str,
+                               out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    _check_sm90_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype)
+    return _run_fp8_grouped_mm_wgrad_sm90(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype)
 
 
 @_fp8_grouped_mm_wgrad_sm90.register_fake

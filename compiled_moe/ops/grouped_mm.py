@@ -87,7 +87,7 @@ def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor, bias: Optional[Tensor] = Non
     _check_grouped_mm(a, b, offs, bias, out_dtype)
     if not use_kernel(a):
         return reference.grouped_mm(a, b, offs, bias, out_dtype)
-    return grouped_mm_on_device(a, b, offs, bias, out_dtype)
+    return grouped_mm_on_device(a, b, offs, bias, out_dtype, checked=True)
 
 
 def cuda_kernel_applies(a: Tensor, b: Tensor, bias: Optional[Tensor], out_dtype: torch.dtype
@@ -98,13 +98,15 @@ def cuda_kernel_applies(a: Tensor, b: Tensor, bias: Optional[Tensor], out_dtype:
 
 
 def grouped_mm_on_device(a: Tensor, b: Tensor, offs: Tensor, bias: Optional[Tensor] = None,
-                         out_dtype: Optional[torch.dtype] = None, cuda: bool = True) -> Tensor:
+                         out_dtype: Optional[torch.dtype] = None, cuda: bool = True,
+                         checked: bool = False) -> Tensor:
     """grouped_mm's GPU path, also for the bodies of ops that run a grouped GEMM inside (the
-    caller has checked the arguments): the Hopper CUDA kernel where it applies and ``cuda``
-    allows it, else the Triton kernel (which a compiled graph launches itself, without a
-    call back into Python)."""
+    caller has checked its own arguments): the Hopper CUDA kernel where it applies and
+    ``cuda`` allows it, else the Triton kernel (which a compiled graph launches itself,
+    without a call back into Python). checked: grouped_mm's checks were made on these
+    arguments (call_op's ``checked``)."""
     if cuda and cuda_kernel_applies(a, b, bias, out_dtype or a.dtype):
-        return call_op("grouped_mm_sm90", a, b, offs, bias, out_dtype)
+        return call_op("grouped_mm_sm90", a, b, offs, bias, out_dtype, checked=checked)
     out = a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or a.dtype)
     _kernels().grouped_mm(a, b, offs, bias, out)
     return out
@@ -157,7 +159,7 @@ def _grouped_mm_wgrad(a: Tensor, grad_out: Tensor, offs: Tensor,
     if not use_kernel(a):
         return reference.grouped_mm_wgrad(a, grad_out, offs, out_dtype)
     if _sm90().wgrad_supported(a, grad_out, out_dtype or a.dtype):
-        return call_op("grouped_mm_wgrad_sm90", a, grad_out, offs, out_dtype)
+        return call_op("grouped_mm_wgrad_sm90", a, grad_out, offs, out_dtype, checked=True)
     out = a.new_empty((offs.shape[0], a.shape[1], grad_out.shape[1]), dtype=out_dtype or a.dtype)
     _kernels().grouped_mm_wgrad(a, grad_out, offs, out, accumulate=False, accumulate_mask=None)
     return out
@@ -241,17 +243,14 @@ def _(main_grad, a, grad_out, offs, accumulate_mask=None):
 
 # ---------------------------------------------------------------------------- Hopper CUDA kernels
 # csrc/grouped_mm.cu, which the ops above call on sm_90 when the operands suit TMA. Opaque
-# custom ops, because inductor cannot trace a driver launch. Each repeats its op's checks (a
-# few microseconds of host time): they are reachable through torch.ops, and a bad call must not
-# reach a kernel. Calls the kernels cannot take at run time (M = 0, an unaligned address) go to
-# the Triton kernels.
+# custom ops, because inductor cannot trace a driver launch. Each makes its op's checks: they
+# are reachable through torch.ops, and a bad call must not reach a kernel. The ops above, which
+# made the same checks, run them without (call_op's ``checked``). Calls the kernels cannot take
+# at run time (M = 0, an unaligned address) go to the Triton kernels.
 
 
-@kernel_op("grouped_mm_sm90", autograd="none")
-@on_tensor_device
-def _grouped_mm_sm90(a: Tensor, b: Tensor, offs: Tensor, bias: Optional[Tensor] = None,
-                     out_dtype: Optional[torch.dtype] = None) -> Tensor:
-    _check_grouped_mm(a, b, offs, bias, out_dtype)
+def _run_grouped_mm_sm90(a, b, offs, bias=None, out_dtype=None) -> Tensor:
+    """grouped_mm_sm90 past its checks (grouped_mm's body, which made them, calls it so)."""
     out = a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or a.dtype)
     sm90 = _sm90()
     if a.shape[0] > 0 and sm90.supported(a, b, bias, out.dtype) and sm90.aligned(a, b, out):
@@ -261,18 +260,22 @@ def _grouped_mm_sm90(a: Tensor, b: Tensor, offs: Tensor, bias: Optional[Tensor] 
     return out
 
 
+@kernel_op("grouped_mm_sm90", autograd="none", unchecked=_run_grouped_mm_sm90)
+@on_tensor_device
+def _grouped_mm_sm90(a: Tensor, b: Tensor, offs: Tensor, bias: Optional[Tensor] = None,
+                     out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    _check_grouped_mm(a, b, offs, bias, out_dtype)
+    return _run_grouped_mm_sm90(a, b, offs, bias, out_dtype)
+
+
 @_grouped_mm_sm90.register_fake
 def _(a, b, offs, bias=None, out_dtype=None):
     _check_grouped_mm(a, b, offs, bias, out_dtype)
     return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or a.dtype)
 
 
-@kernel_op("grouped_mm_wgrad_sm90", autograd="none")
-@on_tensor_device
-def _grouped_mm_wgrad_sm90(a: Tensor, grad_out: Tensor, offs: Tensor,
-                           out_dtype: Optional[torch.dtype] = None) -> Tensor:
-    _check_wgrad(a, grad_out, offs)
-    check_out_dtype(out_dtype)
+def _run_grouped_mm_wgrad_sm90(a, grad_out, offs, out_dtype=None) -> Tensor:
+    """grouped_mm_wgrad_sm90 past its checks (grouped_mm_wgrad's body calls it so)."""
     out = a.new_empty((offs.shape[0], a.shape[1], grad_out.shape[1]), dtype=out_dtype or a.dtype)
     sm90 = _sm90()
     if (a.shape[0] > 0 and sm90.wgrad_supported(a, grad_out, out.dtype, out)
@@ -281,6 +284,15 @@ def _grouped_mm_wgrad_sm90(a: Tensor, grad_out: Tensor, offs: Tensor,
     else:
         _kernels().grouped_mm_wgrad(a, grad_out, offs, out, accumulate=False, accumulate_mask=None)
     return out
+
+
+@kernel_op("grouped_mm_wgrad_sm90", autograd="none", unchecked=_run_grouped_mm_wgrad_sm90)
+@on_tensor_device
+def _grouped_mm_wgrad_sm90(a: Tensor, grad_out: Tensor, offs: Tensor,
+                           out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    _check_wgrad(a, grad_out, offs)
+    check_out_dtype(out_dtype)
+    return _run_grouped_mm_wgrad_sm90(a, grad_out, offs, out_dtype)
 
 
 @_grouped_mm_wgrad_sm90.register_fake
