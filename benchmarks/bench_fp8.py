@@ -33,7 +33,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import MODELS, bench, environment, group_counts, interleaved, write_json  # noqa: E402
+from common import (MODELS, bench, bench_graph, environment, group_counts,  # noqa: E402
+                    interleaved, write_json)
 
 import compiled_moe as cm  # noqa: E402
 from compiled_moe.kernels import scaled_grouped_mm as triton_fp8  # noqa: E402
@@ -161,19 +162,13 @@ def quantize_rows():
     """grouped_quantize GB/s (bytes read + written) against a bf16 copy of the same tensor. The
     fraction of copy bandwidth is taken on GPU time (both replayed from CUDA graphs); the eager
     call, host time included, is timed too (small shapes are launch-bound there)."""
-    import triton
-
-    def graph_ms(fn):
-        fn()
-        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-
     out = []
     for shape in MODELS:
         M = shape.tokens * shape.top_k
         offs, M = padded_offsets(M, shape.experts, "skewed")
         x = torch.randn(M, shape.hidden, device="cuda", dtype=torch.bfloat16)
         y = torch.empty_like(x)
-        copy_gbs = 4 * x.numel() / graph_ms(lambda: y.copy_(x)) / 1e6
+        copy_gbs = 4 * x.numel() / bench_graph(lambda: y.copy_(x)) / 1e6
         for recipe, rowwise, columnwise in (("fp8_blockwise", True, True),
                                             ("fp8_blockwise", True, False),
                                             ("mxfp8", True, True), ("fp8_rowwise", True, False)):
@@ -184,7 +179,7 @@ def quantize_rows():
             def fn():
                 cm.grouped_quantize(x, offs, recipe, rowwise=rowwise, columnwise=columnwise)
 
-            t, t_eager = graph_ms(fn), bench(fn)
+            t, t_eager = bench_graph(fn), bench(fn)
             gbs = nbytes / t / 1e6
             mode = "row+col" if columnwise else "row"
             out.append(dict(model=shape.name, M=M, K=shape.hidden, recipe=recipe, mode=mode,

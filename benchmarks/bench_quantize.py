@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import compiled_moe as cm  # noqa: E402
 from compiled_moe import reference as R  # noqa: E402
 from compiled_moe.ops import fp8 as fp8_ops  # noqa: E402
+import common  # noqa: E402
 from common import group_counts  # noqa: E402
 from helpers import special_values  # noqa: E402  (the quantizer tests' special input)
 
@@ -67,7 +68,7 @@ def bench_eager(fn):
 
 
 def bench_graph(fn):
-    return triton.testing.do_bench_cudagraph(fn, rep=GRAPH_REP, return_mode="median") * 1e3
+    return common.bench_graph(fn, rep=GRAPH_REP) * 1e3
 
 
 def as_bits(t):

@@ -80,6 +80,15 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def bench_graph(fn, rep: int = 100) -> float:
+    """Median GPU time in ms of fn replayed from a CUDA graph (triton.testing.do_bench_cudagraph,
+    after one call outside it): no host time."""
+    import triton
+
+    fn()
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+
+
 def graph_of(fn) -> torch.cuda.CUDAGraph:
     """fn captured in a CUDA graph (after one call outside it): its replays time the GPU alone."""
     fn()
