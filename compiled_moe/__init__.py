@@ -168,7 +168,8 @@ def grouped_quantize(x: Tensor, offs: Tensor | None = None, recipe: str = "fp8_b
             (G, N/br, K/bc) (fp8_rowwise: last dimension 1).
         columnwise: blocks along the other dimension, data transposed so that the reduction of
             a weight gradient (or of a dgrad for weights) is contiguous: 2-D col_data (K, M)
-            with col_scale (K, slots), blocks never crossing a group's end; 3-D col_data
+            with col_scale (K, slots) (fp8_blockwise: stored K-contiguous, strides (1, K)),
+            blocks never crossing a group's end; 3-D col_data
             (G, K, N) with the scales of x.mT. See ``compiled_moe.reference.grouped_quantize``.
 
     Zero blocks get scale 1.0 (byte 0 for E8M0) and zero data. A block holding Inf or NaN gets

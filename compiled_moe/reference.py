@@ -459,7 +459,8 @@ def grouped_quantize(x: Tensor, offs: Tensor | None, recipe: str, rowwise: bool 
       col_data (K, M), the transpose; col_scale (K, S), S = fp8_column_slots(M, G): block j of
       group g (b rows, never crossing the group's end) has slot sum_{h<g} ceil(m_h/b) + j,
       the rows past the last group count as group G, unused slots are zero blocks.
-      fp8_rowwise: one block per group, slot g.
+      fp8_rowwise: one block per group, slot g. (The op, compiled_moe.grouped_quantize, stores
+      fp8_blockwise's col_scale K-contiguous, strides (1, K); these references are contiguous.)
     3-D x (G, N, K), a stacked weight (offs unused): data (G, N, K) with scale
       (G, ceil(N/br), ceil(K/bc)) (blockwise 128x128, mxfp8 1x32, fp8_rowwise (G, N, 1));
       col_data (G, K, N) and col_scale, the same quantization of x.mT.

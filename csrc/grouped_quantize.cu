@@ -7,6 +7,10 @@
 //   128-row block j of group g has slot sum_{h<g} ceil(m_h / 128) + j (the rows past offs[G-1]
 //   are group G), unused slots hold the scale of a zero block (1);
 //   with ROWWISE also row_q (M, K) e4m3 and row_s (M, ceil(K / 128)) fp32, 1 x 128 blocks.
+//   The scales go through both strides (ScaleStrides). The op stores col_s with K contiguous,
+//   so that an item's 128 column scales are one run of 512 bytes: in the row-major layout they
+//   were 128 single-float stores to 128 sectors (with the row scales', 40% of the kernel's
+//   write requests; benchmarks/RESULTS.md). row_s stays row-major (the FP8 forward's layout).
 // The activate_quantize kernels compute the same of a = act(h) (* probs) from FC1's output h
 // (reference.activation_quantize), both ways: see "the activation" below.
 //
@@ -244,6 +248,11 @@ struct Stage {
   }
 };
 
+// Element strides of the two scale tensors: col_s[c, s] and row_s[r, t].
+struct ScaleStrides {
+  long long col_k, col_slot, row_m, row_tile;
+};
+
 // What a consumer warp needs of an item: where its tile sits in x and the outputs.
 struct Item {
   int slot, tile, row0, rows, col0, cols;  // rows <= 128 of the slot, cols <= 128 inside K
@@ -372,8 +381,12 @@ __device__ __forceinline__ void activate_item(unsigned char* stage, int piece_by
 // but the stage.
 //
 // Rows 16 wi + 4 t + q (t = 0..3, q = lane / 8): the 8 lanes p = lane % 8 of a row hold its
-// columns 8p..8p+7 and 64+8p..64+8p+7, so 8 lanes read 128 contiguous bytes of shared memory
-// and store 64 contiguous bytes of each row. Lane p < 4 derives row t = p's scale.
+// columns 16p..16p+15 and store them as one 16-byte piece, so a row's 128 bytes of row_q leave
+// in one request. (Lanes holding columns 8p..8p+7 and 64+8p.. read shared memory without bank
+// conflicts, where these take two wavefronts more per load, but stored each row in two 64-byte
+// halves: same kernel otherwise, 0.50 / 0.60 / 0.63 / 0.57 of copy bandwidth against 0.50 /
+// 0.67 / 0.62 / 0.57 on DeepSeek-V3 / Qwen3 / Mixtral / GPT-OSS.) Lane p < 4 derives row
+// t = p's scale.
 //
 // Columns 16 wi + 4 cq + j (j = 0..3, cq = lane % 4): lane (g = lane / 4, cq) holds rows
 // 16g..16g+15 of its 4 columns; a column's amax is reduced over the 8 row groups by shuffles,
@@ -383,7 +396,7 @@ __device__ __forceinline__ void activate_item(unsigned char* stage, int piece_by
 // Values outside the item (rows past the slot, columns past K) hold stale data in the stage:
 // they load as zeros and are not stored.
 __device__ __forceinline__ int row_of(int wi, int lane, int t) { return 16 * wi + 4 * t + (lane >> 3); }
-__device__ __forceinline__ int row_col(int lane, int h) { return 8 * (lane & 7) + 64 * h; }
+__device__ __forceinline__ int row_col(int lane, int h) { return 16 * (lane & 7) + 8 * h; }
 __device__ __forceinline__ int col_of(int wi, int lane) { return 16 * wi + 4 * (lane & 3); }
 
 // Loads the warp's rows; returns the amax of row t = lane % 8 (lanes 0..3 of each 8).
@@ -453,17 +466,20 @@ __device__ __forceinline__ Scale column_scale(float2 parts, int lane, int j) {
 template <int DT, typename Scale>
 __device__ __forceinline__ void store_rows(const Values<DT, 8> (&v)[4][2], float2 parts, const Item& it,
                                            int wi, int lane, unsigned char* __restrict__ row_q,
-                                           long long ldrq) {
+                                           long long ldrq, bool row16) {
 #pragma unroll
   for (int t = 0; t < 4; ++t) {
     const Scale sc = row_scale<Scale>(parts, lane, t);
-    const int r = row_of(wi, lane, t);
-    unsigned char* dst = row_q + (long long)(it.row0 + r) * ldrq + it.col0;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int c = row_col(lane, h);
-      if (r < it.rows && c < it.cols)
-        *reinterpret_cast<uint2*>(dst + c) = quantize8<false>(sc, v[t][h]);
+    const int r = row_of(wi, lane, t), c = row_col(lane, 0);
+    unsigned char* dst = row_q + (long long)(it.row0 + r) * ldrq + it.col0 + c;
+    const uint2 lo = quantize8<false>(sc, v[t][0]), hi = quantize8<false>(sc, v[t][1]);
+    if (r >= it.rows || c >= it.cols) continue;
+    const bool both = c + 8 < it.cols;  // (cols: a multiple of 8)
+    if (row16 && both) {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+    } else {  // row_q's rows 8-byte aligned only, or the last 8 columns of K
+      *reinterpret_cast<uint2*>(dst) = lo;
+      if (both) *reinterpret_cast<uint2*>(dst + 8) = hi;
     }
   }
 }
@@ -544,15 +560,15 @@ __device__ __noinline__ void store_columns_exact(const unsigned char* stage, flo
 template <int DT, typename Scale, bool ROWWISE>
 __device__ __forceinline__ void quantize_item(
     const unsigned char* stage, const Item& it, int wi, int lane, unsigned char* __restrict__ col_q,
-    long long ldcq, void* __restrict__ col_s, long long lds, unsigned char* __restrict__ row_q,
-    long long ldrq, void* __restrict__ row_s, long long ldrs) {
+    long long ldcq, void* __restrict__ col_s, unsigned char* __restrict__ row_q, long long ldrq,
+    bool row16, void* __restrict__ row_s, const ScaleStrides& ss) {
   if (ROWWISE && 16 * wi < it.rows) {  // (a warp whose rows all lie past the slot has none to do)
     Values<DT, 8> v[4][2];
     const Scale sc = Scale::from_amax(nan_as_inf(load_rows<DT>(v, stage, it, wi, lane)));
     const int r = row_of(wi, lane, lane & 7);  // the row of this lane's scale (lanes p < 4)
-    if ((lane & 7) < 4 && r < it.rows) sc.store(row_s, (long long)(it.row0 + r) * ldrs + it.tile);
+    if ((lane & 7) < 4 && r < it.rows) sc.store(row_s, (it.row0 + r) * ss.row_m + it.tile * ss.row_tile);
     if (__all_sync(FULL_MASK, sc.regular))
-      store_rows<DT, Scale>(v, sc.parts(), it, wi, lane, row_q, ldrq);
+      store_rows<DT, Scale>(v, sc.parts(), it, wi, lane, row_q, ldrq, row16);
     else
       store_rows_exact<DT, Scale>(stage, sc.parts(), it, wi, lane, row_q, ldrq);
   }
@@ -560,7 +576,7 @@ __device__ __forceinline__ void quantize_item(
   Values<DT, 4> v[16];
   const Scale sc = Scale::from_amax(nan_as_inf(load_columns<DT>(v, stage, it, wi, lane)));
   const int c = col_of(wi, lane) + (lane >> 2);  // the column of this lane's scale (lanes < 16)
-  if (lane < 16 && c < it.cols) sc.store(col_s, (long long)(it.col0 + c) * lds + it.slot);
+  if (lane < 16 && c < it.cols) sc.store(col_s, (it.col0 + c) * ss.col_k + it.slot * ss.col_slot);
   if (__all_sync(FULL_MASK, sc.regular))
     store_columns<DT, Scale>(v, sc.parts(), it, wi, lane, col_q, ldcq);
   else
@@ -582,9 +598,10 @@ template <int DT, typename Scale, bool ROWWISE, int TEAMS, bool ACTIVATE>
 __device__ void quantize_group_columns(
     const void* __restrict__ x_, long long ldx, const int* __restrict__ offs, int M, int K, int G,
     int S, int slot_group, int stages, unsigned char* __restrict__ col_q, long long ldcq,
-    void* __restrict__ col_s, long long lds, unsigned char* __restrict__ row_q, long long ldrq,
-    void* __restrict__ row_s, long long ldrs, const Activation act) {
+    void* __restrict__ col_s, unsigned char* __restrict__ row_q, long long ldrq,
+    void* __restrict__ row_s, const ScaleStrides ss, const Activation act) {
   using St = Stage<DT>;
+  const bool row16 = ((ldrq | (long long)row_q) & 15) == 0;  // 16-byte row stores
   extern __shared__ __align__(128) unsigned char smem[];
   const int pieces = ACTIVATE && act.gated() ? 2 : 1, stage_bytes = pieces * St::BYTES;
   u64* full = reinterpret_cast<u64*>(smem + stages * stage_bytes);
@@ -608,7 +625,7 @@ __device__ void quantize_group_columns(
     const long long unused = (long long)(S - used) * K;
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < unused;
          e += (long long)gridDim.x * blockDim.x)
-      zero.store(col_s, (e % K) * lds + used + e / K);
+      zero.store(col_s, (e % K) * ss.col_k + (used + e / K) * ss.col_slot);
   }
   auto item = [&](long long w) {
     Item it;
@@ -668,8 +685,8 @@ __device__ void quantize_group_columns(
     mbar_wait_sleep(&full[s], (k / stages) & 1);
     const Item it = stage_item[s];
     if (ACTIVATE) activate_item<DT>(stage, St::BYTES, it, wi % TEAM_WARPS, lane, team, act);
-    quantize_item<DT, Scale, ROWWISE>(stage, it, wi % TEAM_WARPS, lane, col_q, ldcq, col_s, lds,
-                                      row_q, ldrq, row_s, ldrs);
+    quantize_item<DT, Scale, ROWWISE>(stage, it, wi % TEAM_WARPS, lane, col_q, ldcq, col_s,
+                                      row_q, ldrq, row16, row_s, ss);
     __syncwarp();
     mbar_arrive_if(&empty[s], lane == 0);
   }
@@ -681,10 +698,11 @@ __device__ void quantize_group_columns(
   extern "C" __global__ void __launch_bounds__(32 * (TEAM_WARPS * TEAMS + 1), 1) NAME(          \
       const void* x, long long ldx, const int* offs, int M, int K, int G, int S,               \
       int slot_group, int stages, unsigned char* col_q, long long ldcq, void* col_s,           \
-      long long lds, unsigned char* row_q, long long ldrq, void* row_s, long long ldrs) {      \
+      long long cs_k, long long cs_s, unsigned char* row_q, long long ldrq, void* row_s,       \
+      long long rs_m, long long rs_t) {                                                        \
     quantize_group_columns<DT, SCALE, ROWWISE, TEAMS, false>(                                  \
-        x, ldx, offs, M, K, G, S, slot_group, stages, col_q, ldcq, col_s, lds, row_q, ldrq,     \
-        row_s, ldrs, Activation{});                                                            \
+        x, ldx, offs, M, K, G, S, slot_group, stages, col_q, ldcq, col_s, row_q, ldrq, row_s,   \
+        ScaleStrides{cs_k, cs_s, rs_m, rs_t}, Activation{});                                   \
   }
 
 #define QUANTIZE_KERNELS(SUFFIX, DT, TEAMS)                                                \
@@ -701,11 +719,12 @@ QUANTIZE_KERNELS(f32, DT_F32, 1)
   extern "C" __global__ void __launch_bounds__(32 * (TEAM_WARPS * 2 + 1), 1) NAME(              \
       const void* h, long long ldh, const int* offs, int M, int K, int G, int S,               \
       int slot_group, int stages, unsigned char* col_q, long long ldcq, void* col_s,           \
-      long long lds, unsigned char* row_q, long long ldrq, void* row_s, long long ldrs,        \
-      int code, int interleaved, const float* probs, float alpha, float limit) {               \
+      long long cs_k, long long cs_s, unsigned char* row_q, long long ldrq, void* row_s,       \
+      long long rs_m, long long rs_t, int code, int interleaved, const float* probs,           \
+      float alpha, float limit) {                                                              \
     quantize_group_columns<DT, ScaleF32, true, 2, true>(                                       \
-        h, ldh, offs, M, K, G, S, slot_group, stages, col_q, ldcq, col_s, lds, row_q, ldrq,     \
-        row_s, ldrs, Activation{code, interleaved, probs, alpha, limit});                      \
+        h, ldh, offs, M, K, G, S, slot_group, stages, col_q, ldcq, col_s, row_q, ldrq, row_s,   \
+        ScaleStrides{cs_k, cs_s, rs_m, rs_t}, Activation{code, interleaved, probs, alpha, limit}); \
   }
 
 ACTIVATE_QUANTIZE_KERNEL(activate_quantize_fp8_blockwise_bf16, DT_BF16)

@@ -732,6 +732,30 @@ def _opcheck_samples():
     return samples
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_columnwise_scale_layout(recipe):
+    """fp8_blockwise's columnwise scales come K-contiguous (the CUDA quantizer writes an item's
+    column scales as one run), from the op and from its fake alike, with the reference's values;
+    the other recipes' and every rowwise scale tensor are row-major."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.randn(300, 256)
+    offs = torch.tensor([100, 100, 260], dtype=torch.int32)
+    got = cm.grouped_quantize(x, offs, recipe, rowwise=True, columnwise=True)
+    want = R.grouped_quantize(x, offs, recipe, True, True)
+    (K, S), blocks = want[3].shape, want[1].shape[1]
+    assert got[3].shape == (K, S)
+    assert got[3].stride() == ((1, K) if recipe == "fp8_blockwise" else (S, 1))
+    assert got[1].stride() == (blocks, 1)
+    for g, w in zip(got, want):
+        assert torch.equal(g.view(torch.uint8) if g.dtype == R.FP8_DTYPE else g,
+                           w.view(torch.uint8) if w.dtype == R.FP8_DTYPE else w)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.compiled_moe.grouped_quantize(mode.from_tensor(x), mode.from_tensor(offs),
+                                                       recipe, True, True)
+    assert [t.stride() for t in fake] == [t.stride() for t in got]
+
+
 @pytest.mark.parametrize("sample", range(21))
 def test_opcheck(sample):
     op, args = _opcheck_samples()[sample]

@@ -104,8 +104,14 @@ def quantize_group_columns(x, offs, col_q, col_s, row_q, row_s, recipe: str,
                          shared,
                          x, i64(x.stride(0)), offs.contiguous(), i32(M), i32(K), i32(G), i32(S),
                          i32(max(1, slot_group or cfg.group_m)), i32(cfg.num_stages),
-                         col_q, i64(col_q.stride(0)), col_s, i64(col_s.stride(0)),
-                         rq, i64(rq.stride(0)), rs, i64(rs.stride(0)))
+                         col_q, i64(col_q.stride(0)), col_s, *_strides(col_s),
+                         rq, i64(rq.stride(0)), rs, *_strides(rs))
+
+
+def _strides(scale):
+    """A scale tensor's two element strides, as the kernels take them. Any layout works; the
+    op's columnwise scales, K contiguous, make an item's 128 column-scale stores one run."""
+    return native.int64(scale.stride(0)), native.int64(scale.stride(1))
 
 
 def _pieces(activation: str) -> int:
@@ -149,8 +155,8 @@ def activate_quantize(h, offs, probs, activation: str, interleaved: bool, alpha:
         grid, threads(h.dtype), shared,
         h, i64(h.stride(0)), offs.contiguous(), i32(M), i32(inter), i32(G), i32(S),
         i32(max(1, cfg.group_m)), i32(cfg.num_stages),
-        col_q, i64(col_q.stride(0)), col_s, i64(col_s.stride(0)),
-        row_q, i64(row_q.stride(0)), row_s, i64(row_s.stride(0)),
+        col_q, i64(col_q.stride(0)), col_s, *_strides(col_s),
+        row_q, i64(row_q.stride(0)), row_s, *_strides(row_s),
         i32(CODES[activation]), i32(int(interleaved)),
         probs if probs is not None else ctypes.c_uint64(0),
         ctypes.c_float(alpha), ctypes.c_float(limit))

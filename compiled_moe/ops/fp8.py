@@ -109,6 +109,19 @@ def weight_quantized_shapes(shape: tuple, recipe: str) -> tuple[tuple, ...]:
             (g, k, n), (g, _cdiv(k, br), _blocks(n, bc)))
 
 
+def _column_scale_tensor(x, shape: tuple, recipe: str) -> Tensor:
+    """An empty columnwise scale tensor (K, slots) of 2-D x. fp8_blockwise stores it with K
+    contiguous (the .t() of a (slots, K) buffer): the CUDA quantizer writes an item's 128
+    column scales as one run of 512 bytes, where the row-major layout took 128 single-float
+    stores to 128 sectors, and the weight-gradient kernels read a chunk's scales as runs too.
+    Every kernel takes scales through both strides. (The rowwise scales stay row-major: the
+    FP8 forward reads a row's scales step after step from one cached line, and stored with M
+    contiguous they made it 5-10% slower; benchmarks/RESULTS.md.)"""
+    if recipe == "fp8_blockwise":
+        return x.new_empty(shape[::-1], dtype=quantized_scale_dtype(recipe)).t()
+    return x.new_empty(shape, dtype=quantized_scale_dtype(recipe))
+
+
 def _quantize_outputs(x, offs, recipe, rowwise, columnwise, shape=None):
     """Empty outputs of the right shapes (and strides) for the kernels and the fake; x gives
     the dtype and device, and the shape unless ``shape`` does."""
@@ -132,7 +145,8 @@ def _quantize_outputs(x, offs, recipe, rowwise, columnwise, shape=None):
         if columnwise:
             # Rows padded to 16 bytes: the weight-gradient kernel reads it through TMA.
             col_data = x.new_empty_strided((k, m), (_cdiv(m, 16) * 16, 1), dtype=FP8_DTYPE)
-            col_scale = x.new_empty((k, fp8_column_slots(m, offs.shape[0], recipe)), dtype=sdt)
+            col_scale = _column_scale_tensor(x, (k, fp8_column_slots(m, offs.shape[0], recipe)),
+                                             recipe)
     if data is None or col_data is None:  # an output not asked for: empty (allocated only then)
         none8, none_s = x.new_empty((0,), dtype=FP8_DTYPE), x.new_empty((0,), dtype=sdt)
         data, scale = (none8, none_s) if data is None else (data, scale)
@@ -187,7 +201,7 @@ def _(x, offs, recipe, rowwise=True, columnwise=False):
 
 
 # The CUDA kernels of csrc/grouped_quantize.cu, which grouped_quantize calls for fp8_blockwise
-# columnwise output of 2-D x (0.49-0.63 of copy bandwidth on the H200 with rowwise output too,
+# columnwise output of 2-D x (0.58-0.70 of copy bandwidth on the H200 with rowwise output too,
 # where the Triton launches reached 0.32-0.41; benchmarks/RESULTS.md). Opaque, as the Hopper
 # GEMMs: inductor cannot trace a driver launch. It repeats the checks (it is reachable as
 # torch.ops.compiled_moe.grouped_quantize_columns_cuda; grouped_quantize's body, which made
