@@ -566,7 +566,8 @@ __device__ __forceinline__ void quantize_item(
     Values<DT, 8> v[4][2];
     const Scale sc = Scale::from_amax(nan_as_inf(load_rows<DT>(v, stage, it, wi, lane)));
     const int r = row_of(wi, lane, lane & 7);  // the row of this lane's scale (lanes p < 4)
-    if ((lane & 7) < 4 && r < it.rows) sc.store(row_s, (it.row0 + r) * ss.row_m + it.tile * ss.row_tile);
+    if ((lane & 7) < 4 && r < it.rows)
+      sc.store(row_s, (it.row0 + r) * ss.row_m + it.tile * ss.row_tile);
     if (__all_sync(FULL_MASK, sc.regular))
       store_rows<DT, Scale>(v, sc.parts(), it, wi, lane, row_q, ldrq, row16);
     else
