@@ -47,9 +47,9 @@ def problem(shape, proj):
     return rows, shape.inter, shape.hidden, shape.experts
 
 
-def padded_offsets(M, G, routing):
+def padded_offsets(M, G, routing, multiple=16):
     counts = group_counts(M, G, routing)
-    counts = (counts + 15) // 16 * 16
+    counts = (counts + multiple - 1) // multiple * multiple
     return torch.cumsum(counts, 0).to(torch.int32).cuda(), int(counts.sum())
 
 
@@ -161,17 +161,29 @@ def check(fns, exact, name):
 def quantize_rows():
     """grouped_quantize GB/s (bytes read + written) against a bf16 copy of the same tensor. The
     fraction of copy bandwidth is taken on GPU time (both replayed from CUDA graphs); the eager
-    call, host time included, is timed too (small shapes are launch-bound there)."""
+    call, host time included, is timed too (small shapes are launch-bound there).
+
+    Skewed groups padded to 16 rows; fp8_blockwise rows and columns also on the row multiple
+    the FP8 experts block pads groups to (configs.fp8_group_rows: 32 for 32 experts or fewer),
+    where that differs: groups on 32 rows give whole 32-byte sectors of col_q."""
+    from compiled_moe.kernels.configs import fp8_group_rows
+
     out = []
     for shape in MODELS:
-        M = shape.tokens * shape.top_k
-        offs, M = padded_offsets(M, shape.experts, "skewed")
+        tokens = shape.tokens * shape.top_k
+        offs16, M = padded_offsets(tokens, shape.experts, "skewed")
         x = torch.randn(M, shape.hidden, device="cuda", dtype=torch.bfloat16)
         y = torch.empty_like(x)
         copy_gbs = 4 * x.numel() / bench_graph(lambda: y.copy_(x)) / 1e6
-        for recipe, rowwise, columnwise in (("fp8_blockwise", True, True),
-                                            ("fp8_blockwise", True, False),
-                                            ("mxfp8", True, True), ("fp8_rowwise", True, False)):
+        cases = [("fp8_blockwise", True, True, 16), ("fp8_blockwise", True, False, 16),
+                 ("mxfp8", True, True, 16), ("fp8_rowwise", True, False, 16)]
+        block_rows = fp8_group_rows(shape.experts)
+        if block_rows != 16:
+            cases.insert(1, ("fp8_blockwise", True, True, block_rows))
+        for recipe, rowwise, columnwise, multiple in cases:
+            # the same rows; groups rounded up to `multiple`, the last ones cut at M
+            offs = (offs16 if multiple == 16 else
+                    padded_offsets(tokens, shape.experts, "skewed", multiple)[0].clamp_max(M))
             outs = cm.grouped_quantize(x, offs, recipe, rowwise=rowwise, columnwise=columnwise)
             nbytes = 2 * x.numel() + sum(t.numel() * t.element_size() for t in outs
                                          if t is not None)
@@ -181,7 +193,7 @@ def quantize_rows():
 
             t, t_eager = bench_graph(fn), bench(fn)
             gbs = nbytes / t / 1e6
-            mode = "row+col" if columnwise else "row"
+            mode = ("row+col" if columnwise else "row") + ("" if multiple == 16 else f"/{multiple}")
             out.append(dict(model=shape.name, M=M, K=shape.hidden, recipe=recipe, mode=mode,
                             ms=t, gbs=gbs, copy_gbs=copy_gbs, fraction=gbs / copy_gbs,
                             eager_ms=t_eager))
