@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from ab_csrc import kernels_from  # noqa: E402
 from bench_fp8 import padded_offsets  # noqa: E402
-from common import MODELS, bench_graph, warm_up  # noqa: E402
+from common import MODELS, bench_graph, timed_rounds, warm_up  # noqa: E402
 
 import compiled_moe as cm  # noqa: E402
 from compiled_moe import native  # noqa: E402
@@ -62,10 +62,7 @@ def main():
         fns = {name: quantizer(kernel) for name, kernel in builds.items()}
         outs = {name: fn() for name, fn in fns.items()}
         nbytes = 2 * x.numel() + sum(t.numel() * t.element_size() for t in outs["package"])
-        times = {name: [] for name in fns}
-        for r in range(args.rounds):
-            for name in (reversed(list(fns)) if r % 2 else list(fns)):
-                times[name].append(bench_graph(fns[name]))
+        times = timed_rounds(fns, args.rounds, timer=bench_graph)
         copy_gbs = 4 * x.numel() / copy_ms / 1e6
         for name in fns:
             t = min(times[name])

@@ -99,14 +99,15 @@ def graph_of(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def timed_rounds(fns: dict, rounds: int = 3) -> dict:
+def timed_rounds(fns: dict, rounds: int = 3, timer=None) -> dict:
     """{name: [ms of each round]}: the functions timed in turn in each round (a slow spell of
     the GPU then hits every contender alike), in reverse order every other round (the place in
-    a round can favour a contender)."""
+    a round can favour a contender). timer: bench (the default) or bench_graph."""
+    timer = timer or bench
     times = {name: [] for name in fns}
     for r in range(rounds):
         for name, fn in (reversed(fns.items()) if r % 2 else fns.items()):
-            times[name].append(bench(fn))
+            times[name].append(timer(fn))
     return times
 
 
