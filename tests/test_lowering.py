@@ -529,9 +529,6 @@ def test_device_descriptors_under_cpp_wrapper(monkeypatch, scratch_covers_grid):
     from compiled_moe.kernels import grouped_mm as kernels
 
     monkeypatch.setattr(kernels, "cpp_wrapper_scratch_covers_grid", lambda: scratch_covers_grid)
-    # The patched answer is not part of the compile caches' keys: trace every time.
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
 
     def seen_by(fn):
         _descriptor_probe.seen.clear()
@@ -542,9 +539,14 @@ def test_device_descriptors_under_cpp_wrapper(monkeypatch, scratch_covers_grid):
         return _descriptor_probe(x) * 2
 
     assert seen_by(f) == {True}
-    for options, expected in (({}, {True}), ({"cpp_wrapper": True}, {True, scratch_covers_grid})):
-        torch._dynamo.reset()
-        assert seen_by(torch.compile(f, fullgraph=True, options=options)) == expected
+    # The patched answer is not part of the compile caches' keys: trace every time. (torch's
+    # config modules are patched through their own patch(): pytest's monkeypatch deletes
+    # such an attribute on undo, which breaks every later compile in the process.)
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        for options, expected in (({}, {True}), ({"cpp_wrapper": True}, {True, scratch_covers_grid})):
+            torch._dynamo.reset()
+            assert seen_by(torch.compile(f, fullgraph=True, options=options)) == expected
 
 
 def test_device_descriptors_on_fake_tensors(monkeypatch):
@@ -555,10 +557,10 @@ def test_device_descriptors_on_fake_tensors(monkeypatch):
     from compiled_moe.kernels import grouped_mm as kernels
 
     monkeypatch.setattr(kernels, "cpp_wrapper_scratch_covers_grid", lambda: False)
-    monkeypatch.setattr(torch._inductor.config, "cpp_wrapper", True)
-    assert kernels.device_descriptors_ok(torch.ones(2))
-    with FakeTensorMode():
-        assert not kernels.device_descriptors_ok(torch.ones(2))
+    with torch._inductor.config.patch(cpp_wrapper=True):
+        assert kernels.device_descriptors_ok(torch.ones(2))
+        with FakeTensorMode():
+            assert not kernels.device_descriptors_ok(torch.ones(2))
 
 
 def test_cpp_wrapper_scratch_detection():
