@@ -7,6 +7,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The C++ host layer (csrc/host) serves the whole tier, also on a CPU build of torch, where it is
+# off by default: its checks and autograd formulas run for every device. tests/test_host.py runs
+# the package with it off.
+os.environ.setdefault("COMPILED_MOE_HOST", "1")
+
 import pytest  # noqa: E402
 
 

@@ -7,11 +7,13 @@ launch); everything else runs the Triton kernels.
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import NamedTuple
 
 import torch
 
-from compiled_moe import native
+from compiled_moe import host as host_layer, native
 from compiled_moe.native import TMA_ALIGN as _ALIGN, hopper
 from compiled_moe.native import tma_aligned as aligned  # noqa: F401 (the ops' launch check)
 from compiled_moe.kernels.configs import (grouped_mm_sm90_config, grouped_mm_sm90_split_k,
@@ -159,6 +161,51 @@ def bias_in_pairs(bias):
     return bias
 
 
+class ForwardPlan(NamedTuple):
+    """What a forward/dgrad launch needs beyond its tensors, fixed for a problem's shape: the
+    kernels (driver handles), their launch sizes and the heuristics' choices. Computed once per
+    shape (here, from the configs), used by this module's launcher and by the C++ host layer
+    (compiled_moe.host), which asks for it on its first call at a shape."""
+    function: int          # the main kernel, a CUfunction handle
+    split_sum: int         # grouped_mm_split_sum's handle, or 0 without split K
+    grid: int              # persistent: one block per SM
+    shared_bytes: int
+    num_stages: int
+    max_splits: int        # the most k ranges a tile (1: no split K)
+    forced_splits: int     # 1 where the caller forced the split count
+    skipping: int          # the skipping instantiation (a's tile in 64- and 16-row boxes)
+    split_sum_grid: int    # grouped_mm_split_sum's blocks (256 threads each)
+
+
+@functools.lru_cache(maxsize=4096)
+def forward_plan(M: int, N: int, K: int, G: int, dtype: torch.dtype, n_major: bool, dev: int,
+                 num_stages=None, skip_past_rows=None, splits=None) -> ForwardPlan:
+    name = _FWD_KERNELS[dtype] + ("_nmajor" if n_major else "")
+    cfg = grouped_mm_sm90_config(M, G)
+    # Split K: at most max_splits k ranges a tile (the kernel picks the count unless forced),
+    # their fp32 partial products summed by grouped_mm_split_sum; the count and the groups'
+    # last row follow them. Its kernels skip too (a few rows a group).
+    max_splits = splits or grouped_mm_sm90_split_k(M, N, K, G)
+    skipping = max_splits > 1 or (cfg.skip_past_rows if skip_past_rows is None else skip_past_rows)
+    name += "_skip_split" if max_splits > 1 else "_skip" if skipping else ""
+    num_stages = min(num_stages or cfg.num_stages, _MAX_STAGES)
+    sms = _num_sms(dev)
+    split_sum = (native.function_handle(native.kernel("grouped_mm", "grouped_mm_split_sum", dev), dev)
+                 if max_splits > 1 else 0)
+    return ForwardPlan(native.function_handle(native.kernel("grouped_mm", name, dev), dev), split_sum,
+                       sms, _shared_bytes(num_stages, G), num_stages, max_splits, int(splits is not None),
+                       int(bool(skipping)), max(1, min(-(-M * N // 4 // 256), 4 * sms)))
+
+
+def host_plan(a, b, bias, out):
+    """The C++ host layer's question on its first grouped_mm call at a shape: the plan where
+    the Hopper kernel applies to these operands (``supported``), else None."""
+    if not supported(a, b, bias, out.dtype):
+        return None
+    (M, K), (G, _, N) = a.shape, b.shape
+    return forward_plan(M, N, K, G, a.dtype, _b_n_major(b), a.device.index)
+
+
 def grouped_mm(a, b, offs, bias, out, num_stages=None, skip_past_rows=None, splits=None) -> None:
     """out (M, N) = a (M, K) @ b[g] (K, N) (+ bias[g]) per row group; rows past offs[-1] get 0.
     The caller checked ``supported`` and ``aligned``. num_stages and skip_past_rows (bool)
@@ -167,50 +214,42 @@ def grouped_mm(a, b, offs, bias, out, num_stages=None, skip_past_rows=None, spli
     M, K = a.shape
     G, _, N = b.shape
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    plan = forward_plan(M, N, K, G, a.dtype, _b_n_major(b), dev, num_stages, skip_past_rows, splits)
+    bias = bias_in_pairs(bias)
+    offs = offs.contiguous()
+    host = host_layer.cuda_module()
+    if host is not None:  # the C++ launcher: about 5x less host time than the one below
+        host.launch_grouped_mm_sm90(a, b, offs, bias, out, plan)
+        return
     # Operands as bytes (2 per element): a in 128-row x 128-byte boxes; b in 64 k-rows x 128 bytes
     # of n (N-major) or 256 n-rows x 128 bytes of k (K-major); out in 64 x 64-element boxes.
+    # (csrc/host/ops.cpp's launch_grouped_mm_sm90 builds the same maps.)
     if _b_n_major(b):  # dgrad: b is the (G, N_out, K_in) weight itself
         b_map = native.tensor_map(b.data_ptr(), (N * 2, K, G), (b.stride(1) * 2, b.stride(0) * 2),
                                   (128, 64, 1))
-        name = _FWD_KERNELS[a.dtype] + "_nmajor"
     else:  # forward: b is the transposed view of the weight
         b_map = native.tensor_map(b.data_ptr(), (K * 2, N, G), (b.stride(2) * 2, b.stride(0) * 2),
                                   (128, 256, 1))
-        name = _FWD_KERNELS[a.dtype]
-    cfg = grouped_mm_sm90_config(M, G)
-    # Split K: at most max_splits k ranges a tile (the kernel picks the count unless forced),
-    # their fp32 partial products summed by grouped_mm_split_sum; the count and the groups'
-    # last row follow them. Its kernels skip too (a few rows a group).
-    max_splits = splits or grouped_mm_sm90_split_k(M, N, K, G)
-    skipping = max_splits > 1 or (cfg.skip_past_rows if skip_past_rows is None else skip_past_rows)
-    name += "_skip_split" if max_splits > 1 else "_skip" if skipping else ""
     # The skipping kernels load a's tile as two 64-row boxes, or 16-row boxes where a group has
     # a few rows left; the others as one box of 128 rows (the second map is then unused).
-    a_map = native.tensor_map(a.data_ptr(), (K * 2, M), (a.stride(0) * 2,), (128, 64 if skipping else 128))
+    a_map = native.tensor_map(a.data_ptr(), (K * 2, M), (a.stride(0) * 2,), (128, 64 if plan.skipping else 128))
     a_rows_map = (native.tensor_map(a.data_ptr(), (K * 2, M), (a.stride(0) * 2,), (128, 16))
-                  if skipping else a_map)
+                  if plan.skipping else a_map)
     out_map = native.tensor_map(out.data_ptr(), (N, M, 1), (out.stride(0) * 2, out.stride(0) * 2 * M),
                                 (64, 64, 1), _OUT_MAP_TYPES[out.dtype])
-    num_stages = min(num_stages or cfg.num_stages, _MAX_STAGES)
-    sms = _num_sms(dev)
-    partial = (torch.empty(max_splits * M * N + 2, device=a.device, dtype=torch.float32)
-               if max_splits > 1 else None)
-    offs = offs.contiguous()
-    bias = bias_in_pairs(bias)
+    partial = (torch.empty(plan.max_splits * M * N + 2, device=a.device, dtype=torch.float32)
+               if plan.max_splits > 1 else None)
     i32, i64 = native.int32, native.int64
     out_kind = i32(_OUT_KINDS[out.dtype])
-    native.launch_driver(
-        native.kernel("grouped_mm", name, dev),
-        sms, _THREADS, _shared_bytes(num_stages, G),
+    native.launch_function(
+        plan.function, plan.grid, _THREADS, plan.shared_bytes,
         a_map, a_rows_map, b_map, out_map, out, out_kind, i64(out.stride(0)),
         bias if bias is not None else i64(0), i32(_OUT_KINDS[bias.dtype] if bias is not None else -1),
         i64(bias.stride(0) if bias is not None else 0),
-        offs, i32(M), i32(N), i32(K), i32(G), i32(num_stages),
-        partial if partial is not None else i64(0), i32(max_splits), i32(splits is not None),
+        offs, i32(M), i32(N), i32(K), i32(G), i32(plan.num_stages),
+        partial if partial is not None else i64(0), i32(plan.max_splits), i32(plan.forced_splits),
     )
     if partial is not None:
-        native.launch_driver(
-            native.kernel("grouped_mm", "grouped_mm_split_sum", dev),
-            max(1, min(-(-M * N // 4 // 256), 4 * sms)), 256, 0,
-            partial, out, out_kind, i64(out.stride(0)), i32(M), i32(N), i32(max_splits),
-        )
+        native.launch_function(plan.split_sum, plan.split_sum_grid, 256, 0,
+                               partial, out, out_kind, i64(out.stride(0)), i32(M), i32(N),
+                               i32(plan.max_splits))

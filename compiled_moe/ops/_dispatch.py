@@ -77,6 +77,7 @@ class KernelOp:
 
     def __init__(self, name: str, body, device_types=("cuda",), unchecked=None):
         self.qualname, self._body = f"compiled_moe::{name}", body
+        self.host_kernels = None  # the C++ host layer's module where it registered kernels
         self.device_types = device_types
         self._kernel = _launching_triton_directly(body)
         self._unchecked = (self._kernel if unchecked is None
@@ -92,7 +93,10 @@ class KernelOp:
 
     def register_autograd(self, backward, *, setup_context=None):
         """The op's autograd formula, as custom_op's register_autograd (for ops registered with
-        autograd="formula")."""
+        autograd="formula"). Where the C++ host layer registered the op's kernels, its C++ copy
+        of the formula serves instead (one dispatcher layer, no Python)."""
+        if self.host_kernels is not None:
+            return
         torch.library.register_autograd(self.qualname, backward, setup_context=setup_context,
                                         lib=_LIBRARY)
 
@@ -141,7 +145,7 @@ def call_op(name: str, *args, checked: bool = False, **kwargs):
 
 
 def kernel_op(name: str, *, device_types=("cuda",), traced: bool = False,
-              autograd: str = "raise", unchecked=None):
+              autograd: str = "raise", unchecked=None, host=None):
     """Register the decorated function as ``torch.ops.compiled_moe.<name>``, an op without
     mutation whose kernel on ``device_types`` is the function itself.
 
@@ -166,6 +170,9 @@ def kernel_op(name: str, *, device_types=("cuda",), traced: bool = False,
         ``call_op(name, ..., checked=True)`` from the bodies of ops that made the same checks.
         The CUDA kernels' ops repeat their callers' checks (they are reachable through
         torch.ops, and a bad call must not reach a kernel): 5-17 us a call on the H200's host.
+    host: ``host(module)`` registers the op's kernels of the C++ host layer (compiled_moe.host):
+        its autograd formula and checks, and its CUDA kernel where the layer has CUDA. Where
+        the layer loads, those replace the Python ones; elsewhere the Python ones serve.
     """
     if autograd not in ("raise", "formula", "none"):
         raise ValueError(f"autograd must be 'raise', 'formula' or 'none', got {autograd!r}")
@@ -173,8 +180,13 @@ def kernel_op(name: str, *, device_types=("cuda",), traced: bool = False,
     def register(body) -> KernelOp:
         _LIBRARY.define(name + torch.library.infer_schema(body, mutates_args=()))
         op = _KERNEL_OPS[name] = KernelOp(name, body, device_types, unchecked)
+        host_module = _host_layer() if host is not None else None
         for device_type in device_types:
-            _LIBRARY.impl(name, op._kernel, _DISPATCH_KEYS[device_type])
+            if not (device_type == "cuda" and host_module is not None and host_module.has_cuda):
+                _LIBRARY.impl(name, op._kernel, _DISPATCH_KEYS[device_type])
+        if host_module is not None:
+            host(host_module)
+            op.host_kernels = host_module
         if traced:
             op.register_traced(body)
         if autograd == "raise":
@@ -182,6 +194,12 @@ def kernel_op(name: str, *, device_types=("cuda",), traced: bool = False,
         return op
 
     return register
+
+
+def _host_layer():
+    from compiled_moe import host
+
+    return host.module()
 
 
 def _launching_triton_directly(body):

@@ -79,8 +79,15 @@ def _check_wgrad(a, grad_out, offs, num_groups=None) -> None:
 # ---------------------------------------------------------------------------- grouped_mm
 
 
+def _register_host_kernels(module) -> None:
+    """The C++ host layer's grouped_mm (csrc/host/ops.cpp): checks, autograd and the Hopper
+    launch in C++; it asks sm90.host_plan once per shape and falls back to the Triton kernel."""
+    module.register_grouped_mm(lambda a, b, bias, out: _sm90().host_plan(a, b, bias, out),
+                               lambda a, b, offs, bias, out: _kernels().grouped_mm(a, b, offs, bias, out))
+
+
 @kernel_op("grouped_mm", device_types=("cuda", "cpu"), traced=True,
-           autograd="formula")
+           autograd="formula", host=_register_host_kernels)
 @on_tensor_device
 def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor, bias: Optional[Tensor] = None,
                 out_dtype: Optional[torch.dtype] = None) -> Tensor:

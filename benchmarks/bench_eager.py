@@ -1,0 +1,136 @@
+"""Eager calls: host time per op call, and the eager experts block at serving sizes.
+
+Same process, same inputs. Two tables:
+  ops:   host time per eager call (CPU timer over calls, no synchronisation; tiny problems, so
+         the GPU never holds the host back), interleaved rounds, medians: the package's ops
+         through torch.ops (what a user's direct call and the package's own calls pay) against
+         torch._grouped_mm on the same operands.
+  block: the eager experts block (moe_experts, no grad) at T tokens, Qwen3-30B-A3B shape,
+         against Hugging Face's grouped_mm experts backend, wall time per call (host and GPU
+         together, as a decoding model sees it), and forward+backward.
+
+Run it once with the C++ host layer (the default on a CUDA build of torch) and once with
+COMPILED_MOE_HOST=0 for the Python path:
+
+    python benchmarks/bench_eager.py [--tokens 1 4 16 64 512] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+import compiled_moe as cm
+from compiled_moe import host
+from bench_experts import hf_experts_module, skewed_topk
+from common import MODELS, environment, write_json
+
+
+def host_us(fn, calls=200):
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def wall_us(fn, calls=100):
+    """Per call, synchronised at the end only: host and GPU time as a decode loop sees them."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def interleaved_medians(fns: dict, timer, rounds=9) -> dict:
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(timer(fn))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def op_rows():
+    x = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(8, 256, 128, device="cuda", dtype=torch.bfloat16)
+    offs = torch.arange(1, 9, device="cuda", dtype=torch.int32) * 32
+    xg = x.clone().requires_grad_()
+    wg = w.clone().requires_grad_()
+    dy = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    fns = {
+        "torch._grouped_mm": lambda: torch._grouped_mm(x, w.mT, offs),
+        "grouped_mm": lambda: torch.ops.compiled_moe.grouped_mm(x, w.mT, offs, None, None),
+        "torch._grouped_mm fwd+bwd": lambda: torch._grouped_mm(xg, wg.mT, offs).backward(dy),
+        "grouped_mm fwd+bwd": lambda: cm.grouped_mm(xg, wg.mT, offs).backward(dy),
+        "grouped_mm_wgrad": lambda: torch.ops.compiled_moe.grouped_mm_wgrad(dy, x, offs, None),
+        "moe_route": lambda: torch.ops.compiled_moe.moe_route(ids, 128, 1),
+    }
+    ids = torch.randint(0, 128, (4, 8), device="cuda", dtype=torch.int32)
+    us = interleaved_medians(fns, host_us)
+    base = us["torch._grouped_mm"]
+    rows = []
+    print(f"host time per eager call (us; C++ host layer {'on' if host.cuda_module() else 'off'})")
+    for name, t in us.items():
+        ref = us["torch._grouped_mm fwd+bwd"] if "fwd+bwd" in name else base
+        print(f"  {name:28s} {t:8.1f}   {t / ref:5.2f}x torch._grouped_mm's")
+        rows.append(dict(table="ops", op=name, host_us=t, vs_torch=t / ref))
+    return rows
+
+
+def block_rows(tokens_list):
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    shape = next(m for m in MODELS if m.name.startswith("Qwen3"))
+    torch.manual_seed(0)
+    mod = hf_experts_module(shape, torch.bfloat16)
+    rows = []
+    print(f"eager experts block, {shape.name} (us per call, wall; HF = its grouped_mm backend)")
+    for tokens in tokens_list:
+        ids, weights = skewed_topk(tokens, shape.experts, shape.top_k)
+        weights = weights.to(torch.bfloat16)
+        hidden = torch.randn(tokens, shape.hidden, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            ours = cm.moe_experts(hidden, ids, weights, mod.gate_up_proj, mod.down_proj)
+            theirs = grouped_mm_experts_forward(mod, hidden, ids, weights)
+            err = (ours.float() - theirs.float()).abs().max().item()
+            assert err < 5e-2 * theirs.float().abs().max().item() + 1e-3, err
+            fwd = interleaved_medians({
+                "ours": lambda: cm.moe_experts(hidden, ids, weights, mod.gate_up_proj, mod.down_proj),
+                "hf": lambda: grouped_mm_experts_forward(mod, hidden, ids, weights)}, wall_us, rounds=5)
+        hidden_g = hidden.clone().requires_grad_()
+        dy = torch.randn_like(hidden)
+        both = interleaved_medians({
+            "ours": lambda: cm.moe_experts(hidden_g, ids, weights, mod.gate_up_proj, mod.down_proj).backward(dy),
+            "hf": lambda: grouped_mm_experts_forward(mod, hidden_g, ids, weights).backward(dy)}, wall_us, rounds=5)
+        print(f"  T={tokens:4d} forward: ours {fwd['ours']:8.1f} HF {fwd['hf']:8.1f} ({fwd['hf'] / fwd['ours']:.2f}x)"
+              f" | fwd+bwd: ours {both['ours']:8.1f} HF {both['hf']:8.1f} ({both['hf'] / both['ours']:.2f}x)")
+        rows.append(dict(table="block", tokens=tokens, fwd_us=fwd["ours"], hf_fwd_us=fwd["hf"],
+                         fwd_bwd_us=both["ours"], hf_fwd_bwd_us=both["hf"]))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 512])
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    rows = op_rows() + block_rows(args.tokens)
+    if args.json:
+        write_json(args.json, dict(environment=environment(), host_layer=host.cuda_module() is not None,
+                                   COMPILED_MOE_HOST=os.environ.get("COMPILED_MOE_HOST"), rows=rows))
+
+
+if __name__ == "__main__":
+    main()

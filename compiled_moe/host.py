@@ -1,0 +1,120 @@
+"""The C++ host layer (``csrc/host/``): eager calls from the dispatcher to the driver without
+Python.
+
+It registers C++ kernels for ops the Python package defines (their autograd formula and
+argument checks for every device, their CUDA kernel), encodes TMA descriptors and launches the
+NVRTC-compiled kernels of ``csrc/*.cu`` on torch's current stream. Python keeps the schemas,
+fake functions, traced bodies (what torch.compile sees), the CPU reference, and the choices made
+once per problem shape (whether a kernel applies, its tile plan), which the C++ side asks for on
+its first call at a shape and keeps.
+
+Built at first use with torch's C++ extension builder into an on-disk cache keyed by the
+sources, the torch version and the Python version (``COMPILED_MOE_CACHE_DIR``, default
+``~/.cache/compiled_moe``), as the NVRTC cubins are: a wheel of compiled code would have to
+match each torch release's C++ ABI (2.11-2.13 here), and a build at install time would need
+the compiler at ``pip install`` and again for every torch upgrade. It needs a C++ compiler and
+ninja, nothing of a CUDA toolkit: ``cuda.h`` comes from the ``nvidia-cuda-runtime`` wheel that
+GPU builds of torch install (or ``CUDA_HOME``), and libcuda is opened at run time. Without
+``cuda.h`` the layer builds without its CUDA kernels (checks and autograd only).
+
+``COMPILED_MOE_HOST=0`` turns it off and ``=1`` on; by default it is on where torch is a CUDA
+build. Where it cannot be built, importing the package warns once and the Python path serves.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+_NAME = "compiled_moe_host"
+
+
+def enabled() -> bool:
+    setting = os.environ.get("COMPILED_MOE_HOST")
+    if setting is not None:
+        return setting not in ("0", "")
+    return torch.version.cuda is not None
+
+
+def source_dir() -> Path:
+    from compiled_moe.native import csrc_dir
+
+    return csrc_dir() / "host"
+
+
+def sources() -> list[Path]:
+    return sorted(source_dir().glob("*.cpp"))
+
+
+def cuda_include_dir() -> str | None:
+    """The directory holding cuda.h: the nvidia-cuda-runtime wheel's (CUDA 13: nvidia/cu13,
+    CUDA 12: nvidia/cuda_runtime), else CUDA_HOME's; None if there is none."""
+    candidates = []
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            candidates += [Path(root) / "cu13" / "include", Path(root) / "cuda_runtime" / "include"]
+    except ImportError:
+        pass
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            candidates.append(Path(os.environ[var]) / "include")
+    candidates.append(Path("/usr/local/cuda/include"))
+    for d in candidates:
+        if (d / "cuda.h").is_file():
+            return str(d)
+    return None
+
+
+def build_dir() -> Path:
+    """Where the build goes: one directory per sources, torch and Python version."""
+    digest = hashlib.sha256()
+    for path in sorted(source_dir().glob("*")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update(str(cuda_include_dir()).encode())
+    root = os.environ.get("COMPILED_MOE_CACHE_DIR")
+    if root is None:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "compiled_moe")
+    tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
+    return Path(root) / "host" / f"{tag}-{digest.hexdigest()[:16]}"
+
+
+def build(verbose: bool = False):
+    """Compile (or load from the cache) and import the extension module."""
+    from torch.utils import cpp_extension
+
+    include = cuda_include_dir()
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name=_NAME, sources=[str(s) for s in sources()], build_directory=str(directory),
+        extra_cflags=["-O2"], extra_include_paths=[include] if include else [],
+        extra_ldflags=["-ldl"], verbose=verbose)
+
+
+@functools.lru_cache(maxsize=None)
+def module():
+    """The loaded extension, or None (switched off, or it could not be built: warned once)."""
+    if not enabled():
+        return None
+    try:
+        return build()
+    except Exception as e:  # no compiler, no ninja, a failed build: the Python path serves
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        warnings.warn(f"compiled_moe: the C++ host layer could not be built ({first_line}); eager "
+                      f"calls take the Python path, which costs more host time. Set "
+                      f"COMPILED_MOE_HOST=0 to silence this.", stacklevel=2)
+        return None
+
+
+def cuda_module():
+    """The extension where it has its CUDA kernels, else None."""
+    m = module()
+    return m if m is not None and m.has_cuda else None

@@ -1,0 +1,387 @@
+// The C++ host layer's ops: what an eager call of torch.ops.compiled_moe.grouped_mm runs,
+// from the dispatcher to the driver without Python (argument checks, autograd, the device
+// guard, tensor maps, the launch on torch's current stream).
+//
+// Python keeps what a compiled graph needs (schemas, fake functions, the traced bodies that
+// inductor inlines, the CPU reference) and what is chosen once per problem shape: whether the
+// Hopper kernel applies and its launch plan (kernels/grouped_mm_sm90.py's forward_plan, whose
+// heuristics live in kernels/configs.py). This layer asks Python for that decision on the first
+// call at a shape and keeps it; later calls at that shape make no call into Python.
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/autograd.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <mutex>
+#include <unordered_map>
+
+#if __has_include(<cuda.h>)
+#define COMPILED_MOE_CUDA 1
+#include "cuda_driver.h"
+#endif
+
+namespace compiled_moe {
+namespace {
+
+// ------------------------------------------------------------------------------ checks
+// The same errors, word for word, as compiled_moe/ops/_dispatch.py's checks (tests compare
+// them): ValueError for shapes and devices, TypeError for dtypes. Sizes are read as SymInts:
+// under torch.compile the tensors are symbolic, and an int size would pin the token count.
+
+std::string dtype_name(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Float: return "torch.float32";
+    case c10::ScalarType::Double: return "torch.float64";
+    case c10::ScalarType::Half: return "torch.float16";
+    case c10::ScalarType::BFloat16: return "torch.bfloat16";
+    case c10::ScalarType::Int: return "torch.int32";
+    case c10::ScalarType::Long: return "torch.int64";
+    case c10::ScalarType::Short: return "torch.int16";
+    case c10::ScalarType::Char: return "torch.int8";
+    case c10::ScalarType::Byte: return "torch.uint8";
+    case c10::ScalarType::Bool: return "torch.bool";
+    case c10::ScalarType::Float8_e4m3fn: return "torch.float8_e4m3fn";
+    case c10::ScalarType::Float8_e5m2: return "torch.float8_e5m2";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+// A size as Python prints it (symbolic sizes, under torch.compile, by their expression).
+std::string size_str(const c10::SymInt& size) {
+  if (auto value = size.maybe_as_int()) return std::to_string(*value);
+  return size.toSymNode()->str();
+}
+
+// A shape as Python prints a tuple: (4, 5), (4,), ().
+std::string shape_str(c10::SymIntArrayRef shape) {
+  std::string s = "(";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + size_str(shape[i]);
+  return s + (shape.size() == 1 ? ",)" : ")");
+}
+
+bool is_op_dtype(c10::ScalarType t) {
+  return t == c10::kBFloat16 || t == c10::kHalf || t == c10::kFloat || t == c10::kDouble;
+}
+
+constexpr const char* kOpDtypes = "bfloat16, float16, float32, float64";
+
+void check_tensor(const char* name, const at::Tensor& t, int64_t ndim) {
+  TORCH_CHECK_VALUE(t.dim() == ndim, name, " must be ", ndim, "-D, got shape ", shape_str(t.sym_sizes()));
+  TORCH_CHECK_TYPE(is_op_dtype(t.scalar_type()), name, " must have dtype in (", kOpDtypes, "), got ",
+                   dtype_name(t.scalar_type()));
+}
+
+void check_same_dtype(const char* ref_name, const at::Tensor& ref, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), name, " has dtype ", dtype_name(t.scalar_type()),
+                   " but ", ref_name, " has ", dtype_name(ref.scalar_type()), "; they must match");
+}
+
+void check_same_device(const char* ref_name, const at::Tensor& ref, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.device() == ref.device(), name, " is on ", t.device().str(), " but ", ref_name,
+                    " is on ", ref.device().str());
+}
+
+void check_offs(const at::Tensor& offs, const c10::SymInt& num_groups) {
+  TORCH_CHECK_TYPE(offs.scalar_type() == c10::kInt,
+                   "offs must be int32 (cumulative end row of each group), got ", dtype_name(offs.scalar_type()));
+  TORCH_CHECK_VALUE(offs.dim() == 1 && offs.sym_size(0) == num_groups, "offs must have shape (", size_str(num_groups),
+                    ",), one entry per group, got ", shape_str(offs.sym_sizes()));
+  TORCH_CHECK_VALUE(num_groups >= 1, "need at least one group");
+}
+
+void check_out_dtype(std::optional<c10::ScalarType> out_dtype) {
+  TORCH_CHECK_TYPE(!out_dtype || is_op_dtype(*out_dtype),
+                   "out_dtype must be one of (torch.bfloat16, torch.float16, torch.float32, torch.float64) "
+                   "or None, got ", out_dtype ? dtype_name(*out_dtype) : "None");
+}
+
+// compiled_moe/ops/grouped_mm.py's _check_grouped_mm.
+void check_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
+                      const std::optional<at::Tensor>& bias, std::optional<c10::ScalarType> out_dtype) {
+  check_tensor("a", a, 2);
+  check_tensor("b", b, 3);
+  check_same_dtype("a", a, "b", b);
+  check_offs(offs, b.sym_size(0));
+  check_same_device("a", a, "b", b);
+  check_same_device("a", a, "offs", offs);
+  if (bias) check_same_device("a", a, "bias", *bias);
+  TORCH_CHECK_VALUE(a.sym_size(1) == b.sym_size(1), "a has K=", size_str(a.sym_size(1)), " columns but b is (G, K, N) = ",
+                    shape_str(b.sym_sizes()), "; K must match (pass an (G, N, K) weight as w.transpose(-2, -1))");
+  if (bias) {
+    check_tensor("bias", *bias, 2);
+    TORCH_CHECK_VALUE(bias->sym_size(0) == b.sym_size(0) && bias->sym_size(1) == b.sym_size(2),
+                      "bias must have shape (G, N) = (", size_str(b.sym_size(0)), ", ", size_str(b.sym_size(2)), "), got ",
+                      shape_str(bias->sym_sizes()));
+  }
+  check_out_dtype(out_dtype);
+}
+
+// ------------------------------------------------------------------------------ dispatcher calls
+
+const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                          const std::optional<at::Tensor>&, std::optional<c10::ScalarType>)>&
+grouped_mm_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("compiled_moe::grouped_mm", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const std::optional<at::Tensor>&, std::optional<c10::ScalarType>)>();
+  return op;
+}
+
+at::Tensor grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& grad_out, const at::Tensor& offs,
+                            std::optional<c10::ScalarType> out_dtype) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("compiled_moe::grouped_mm_wgrad", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         std::optional<c10::ScalarType>)>();
+  return op.call(a, grad_out, offs, out_dtype);
+}
+
+at::Tensor grouped_sum(const at::Tensor& x, const at::Tensor& offs, std::optional<c10::ScalarType> out_dtype) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("compiled_moe::grouped_sum", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, std::optional<c10::ScalarType>)>();
+  return op.call(x, offs, out_dtype);
+}
+
+// ------------------------------------------------------------------------------ autograd
+// compiled_moe/ops/grouped_mm.py's formula: dgrad is the same op on b's transpose (no copy),
+// the weight gradient is written in the weight's own storage order, dbias a grouped sum.
+
+bool is_transposed_weight(const at::Tensor& b) { return b.stride(1) == 1 && b.stride(2) != 1; }
+
+class GroupedMmFunction : public torch::autograd::Function<GroupedMmFunction> {
+ public:
+  // bias as a list of zero or one tensors: autograd gives an optional<Tensor> argument no
+  // gradient and takes no undefined tensor.
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b,
+                            const at::Tensor& offs, at::TensorList bias, std::optional<c10::ScalarType> out_dtype) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    std::optional<at::Tensor> maybe_bias = bias.empty() ? std::nullopt : std::optional<at::Tensor>(bias[0]);
+    at::Tensor out = grouped_mm_op().call(a, b, offs, maybe_bias, out_dtype);
+    ctx->save_for_backward({a, b, offs});
+    ctx->saved_data["bias_dtype"] = bias.empty() ? int64_t(-1) : static_cast<int64_t>(bias[0].scalar_type());
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &a = saved[0], &b = saved[1], &offs = saved[2];
+    at::Tensor grad = grads[0].to(a.scalar_type());
+    at::Tensor grad_a, grad_b, grad_bias;
+    if (ctx->needs_input_grad(0)) grad_a = grouped_mm_op().call(grad, b.mT(), offs, std::nullopt, std::nullopt);
+    if (ctx->needs_input_grad(1)) {
+      grad_b = is_transposed_weight(b) ? grouped_mm_wgrad(grad, a, offs, b.scalar_type()).mT()
+                                       : grouped_mm_wgrad(a, grad, offs, b.scalar_type());
+    }
+    int64_t bias_dtype = ctx->saved_data["bias_dtype"].toInt();
+    if (bias_dtype < 0) return {grad_a, grad_b, at::Tensor(), at::Tensor()};
+    if (ctx->needs_input_grad(3)) grad_bias = grouped_sum(grad, offs, static_cast<c10::ScalarType>(bias_dtype));
+    return {grad_a, grad_b, at::Tensor(), grad_bias, at::Tensor()};
+  }
+};
+
+at::Tensor grouped_mm_autograd(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
+                               const std::optional<at::Tensor>& bias, std::optional<c10::ScalarType> out_dtype) {
+  check_grouped_mm(a, b, offs, bias, out_dtype);
+  std::vector<at::Tensor> bias_list;
+  if (bias) bias_list.push_back(*bias);
+  return GroupedMmFunction::apply(a, b, offs, at::TensorList(bias_list), out_dtype);
+}
+
+#ifdef COMPILED_MOE_CUDA
+// ------------------------------------------------------------------------------ Hopper launch
+
+constexpr unsigned kThreads = 384;  // csrc/grouped_mm.cu: a producer warp and two consumer warpgroups
+constexpr int64_t kAlign = 16;      // TMA: base addresses and strides, in bytes
+
+int out_kind(c10::ScalarType t) {  // csrc/grouped_mm.cu's output kinds
+  return t == c10::kBFloat16 ? 0 : t == c10::kHalf ? 1 : 2;
+}
+
+CUtensorMapDataType out_map_type(c10::ScalarType t) {
+  return t == c10::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+         : t == c10::kHalf   ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                             : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+}
+
+// kernels/grouped_mm_sm90.py's ForwardPlan, read once per shape.
+struct ForwardPlan {
+  CUfunction function, split_sum;
+  unsigned grid, shared_bytes;
+  int num_stages, max_splits, forced_splits, skipping;
+  unsigned split_sum_grid;
+};
+
+ForwardPlan read_plan(const pybind11::handle& p) {
+  auto t = p.cast<pybind11::tuple>();
+  auto i = [&t](int k) { return t[k].cast<int64_t>(); };
+  return {reinterpret_cast<CUfunction>(i(0)), reinterpret_cast<CUfunction>(i(1)),
+          static_cast<unsigned>(i(2)), static_cast<unsigned>(i(3)), static_cast<int>(i(4)),
+          static_cast<int>(i(5)), static_cast<int>(i(6)), static_cast<int>(i(7)), static_cast<unsigned>(i(8))};
+}
+
+CUtensorMap map2d(uint64_t address, uint64_t cols_bytes, uint64_t rows, uint64_t row_stride_bytes,
+                  uint32_t box_cols, uint32_t box_rows) {
+  return tensor_map({address, {cols_bytes, rows, 0}, {row_stride_bytes, 0}, {box_cols, box_rows, 0}, 2,
+                     CU_TENSOR_MAP_DATA_TYPE_UINT8});
+}
+
+// out (M, N) = a (M, K) @ b[g] (K, N) (+ bias[g]); the maps and launches of
+// kernels/grouped_mm_sm90.py's grouped_mm. The caller checked that the kernel applies.
+void launch_grouped_mm_sm90(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
+                            const std::optional<at::Tensor>& bias, const at::Tensor& out, const ForwardPlan& plan) {
+  const int64_t M = a.size(0), K = a.size(1), G = b.size(0), N = b.size(2);
+  const int device = a.device().index();
+  ensure_context(device);
+  const uint64_t a_ptr = reinterpret_cast<uint64_t>(a.data_ptr());
+  const uint64_t b_ptr = reinterpret_cast<uint64_t>(b.data_ptr());
+  CUtensorMap b_map;
+  if (b.stride(2) == 1) {  // dgrad: b is the (G, N_out, K_in) weight itself
+    b_map = tensor_map({b_ptr, {uint64_t(N * 2), uint64_t(K), uint64_t(G)},
+                        {uint64_t(b.stride(1) * 2), uint64_t(b.stride(0) * 2)}, {128, 64, 1}, 3,
+                        CU_TENSOR_MAP_DATA_TYPE_UINT8});
+  } else {  // forward: b is the transposed view of the weight
+    b_map = tensor_map({b_ptr, {uint64_t(K * 2), uint64_t(N), uint64_t(G)},
+                        {uint64_t(b.stride(2) * 2), uint64_t(b.stride(0) * 2)}, {128, 256, 1}, 3,
+                        CU_TENSOR_MAP_DATA_TYPE_UINT8});
+  }
+  CUtensorMap a_map = map2d(a_ptr, K * 2, M, a.stride(0) * 2, 128, plan.skipping ? 64 : 128);
+  CUtensorMap a_rows_map = plan.skipping ? map2d(a_ptr, K * 2, M, a.stride(0) * 2, 128, 16) : a_map;
+  CUtensorMap out_map = tensor_map({reinterpret_cast<uint64_t>(out.data_ptr()), {uint64_t(N), uint64_t(M), 1},
+                                    {uint64_t(out.stride(0) * 2), uint64_t(out.stride(0) * 2 * M)}, {64, 64, 1}, 3,
+                                    out_map_type(out.scalar_type())});
+  at::Tensor partial;
+  if (plan.max_splits > 1) partial = at::empty({plan.max_splits * M * N + 2}, a.options().dtype(at::kFloat));
+  // Bias rows must start on even elements (the kernel copies two columns as one piece).
+  at::Tensor bias_t = bias ? *bias : at::Tensor();
+  if (bias_t.defined() && (bias_t.stride(0) % 2 || reinterpret_cast<uint64_t>(bias_t.data_ptr()) % (2 * bias_t.element_size())))
+    bias_t = bias_t.clone(at::MemoryFormat::Contiguous);
+
+  void* out_ptr = out.data_ptr();
+  int32_t kind = out_kind(out.scalar_type());
+  int64_t out_stride = out.stride(0);
+  void* bias_ptr = bias_t.defined() ? bias_t.data_ptr() : nullptr;
+  int32_t bias_kind = bias_t.defined() ? out_kind(bias_t.scalar_type()) : -1;
+  int64_t bias_stride = bias_t.defined() ? bias_t.stride(0) : 0;
+  void* offs_ptr = offs.data_ptr();
+  int32_t m = M, n = N, k = K, g = G, stages = plan.num_stages, splits = plan.max_splits,
+          forced = plan.forced_splits;
+  void* partial_ptr = partial.defined() ? partial.data_ptr() : nullptr;
+  void* args[] = {&a_map, &a_rows_map, &b_map, &out_map, &out_ptr, &kind, &out_stride, &bias_ptr,
+                  &bias_kind, &bias_stride, &offs_ptr, &m, &n, &k, &g, &stages, &partial_ptr, &splits, &forced};
+  launch(device, plan.function, plan.grid, kThreads, plan.shared_bytes, args);
+  if (partial.defined()) {
+    void* sum_args[] = {&partial_ptr, &out_ptr, &kind, &out_stride, &m, &n, &splits};
+    launch(device, plan.split_sum, plan.split_sum_grid, 256, 0, sum_args);
+  }
+}
+
+// What a shape decides (kernel or not, and the plan), keyed by everything the decision reads.
+struct ShapeKey {
+  std::array<int64_t, 13> v;
+  bool operator==(const ShapeKey& o) const { return v == o.v; }
+};
+struct ShapeKeyHash {
+  size_t operator()(const ShapeKey& k) const {
+    size_t h = 0;
+    for (auto x : k.v) h ^= std::hash<int64_t>()(x) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+    return h;
+  }
+};
+struct Decision {
+  bool kernel;
+  ForwardPlan plan;
+};
+
+pybind11::object& grouped_mm_decide() {  // kernels/grouped_mm_sm90.py's host_plan
+  static pybind11::object* fn = new pybind11::object();
+  return *fn;
+}
+pybind11::object& grouped_mm_fallback() {  // kernels/grouped_mm.py's Triton launcher
+  static pybind11::object* fn = new pybind11::object();
+  return *fn;
+}
+
+at::Tensor grouped_mm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
+                           const std::optional<at::Tensor>& bias, std::optional<c10::ScalarType> out_dtype) {
+  check_grouped_mm(a, b, offs, bias, out_dtype);
+  c10::DeviceGuard guard(a.device());
+  const auto out_type = out_dtype.value_or(a.scalar_type());
+  const char* gemm = std::getenv("COMPILED_MOE_GEMM");  // =triton turns the CUDA kernels off
+  ShapeKey key{{a.size(0), a.size(1), b.size(0), b.size(2), a.stride(0) * 4 + a.stride(1),
+                b.stride(0), b.stride(1) * 2 + (b.stride(2) == 1), static_cast<int64_t>(a.scalar_type()),
+                static_cast<int64_t>(out_type),
+                bias ? static_cast<int64_t>(bias->scalar_type()) * 2 + (bias->stride(1) == 1) : -1,
+                bias ? bias->stride(0) : 0, a.device().index(), gemm != nullptr && std::string(gemm) == "triton"}};
+  static std::mutex mutex;
+  static std::unordered_map<ShapeKey, Decision, ShapeKeyHash> decisions;
+  Decision decision;
+  {
+    std::unique_lock<std::mutex> lock(mutex);
+    auto it = decisions.find(key);
+    if (it != decisions.end()) {
+      decision = it->second;
+    } else {
+      lock.unlock();
+      pybind11::gil_scoped_acquire gil;
+      pybind11::object p = grouped_mm_decide()(a, b, bias, at::empty({0}, a.options().dtype(out_type)));
+      decision = p.is_none() ? Decision{false, {}} : Decision{true, read_plan(p)};
+      lock.lock();
+      decisions.emplace(key, decision);
+    }
+  }
+  at::Tensor out = at::empty({a.size(0), b.size(2)}, a.options().dtype(out_type));
+  const bool aligned = reinterpret_cast<uint64_t>(a.data_ptr()) % kAlign == 0 &&
+                       reinterpret_cast<uint64_t>(b.data_ptr()) % kAlign == 0 &&
+                       reinterpret_cast<uint64_t>(out.data_ptr()) % kAlign == 0;
+  if (decision.kernel && aligned && a.size(0) > 0) {
+    launch_grouped_mm_sm90(a, b, offs, bias, out, decision.plan);
+  } else {
+    pybind11::gil_scoped_acquire gil;
+    grouped_mm_fallback()(a, b, offs, bias, out);
+  }
+  return out;
+}
+#endif  // COMPILED_MOE_CUDA
+
+torch::Library& library() {
+  static auto* lib = new torch::Library(torch::Library::IMPL, "compiled_moe", std::nullopt, __FILE__, __LINE__);
+  return *lib;
+}
+
+}  // namespace
+
+// Registers this layer's kernels of compiled_moe::grouped_mm (defined by the Python package):
+// autograd for every device; CUDA where this build has the driver API. decide(a, b, bias, out)
+// gives the Hopper kernel's plan for a shape, or None where the kernel does not apply (out: an
+// empty tensor of the output's dtype); fallback(a, b, offs, bias, out) writes the product into
+// out with the Triton kernel, for the rest.
+void register_grouped_mm(pybind11::object decide, pybind11::object fallback) {
+  library().impl("grouped_mm", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(grouped_mm_autograd)));
+#ifdef COMPILED_MOE_CUDA
+  grouped_mm_decide() = std::move(decide);
+  grouped_mm_fallback() = std::move(fallback);
+  library().impl("grouped_mm", torch::dispatch(c10::DispatchKey::CUDA, TORCH_FN(grouped_mm_cuda)));
+#endif
+}
+
+}  // namespace compiled_moe
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "compiled_moe's C++ host layer (csrc/host)";
+  m.def("register_grouped_mm", &compiled_moe::register_grouped_mm);
+#ifdef COMPILED_MOE_CUDA
+  m.attr("has_cuda") = true;
+  m.def("launch_grouped_mm_sm90", [](const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
+                                     const std::optional<at::Tensor>& bias, const at::Tensor& out,
+                                     pybind11::handle plan) {
+    compiled_moe::launch_grouped_mm_sm90(a, b, offs, bias, out, compiled_moe::read_plan(plan));
+  });
+#else
+  m.attr("has_cuda") = false;
+#endif
+}

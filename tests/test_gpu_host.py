@@ -1,0 +1,92 @@
+"""GPU tier of the C++ host layer (csrc/host): eager grouped_mm from the dispatcher to the
+driver. tests/test_gpu_grouped_mm.py runs the op's numerics through it (the layer is on by
+default with a CUDA build of torch); here: its registration, the same bits as the Python
+launcher (the layer off, in a fresh process), CUDA-graph replay under changing routing, no
+host sync, opcheck."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import compiled_moe as cm
+from compiled_moe import host
+from helpers import loop_grouped_mm, no_sync, random_offsets
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                                 reason="needs a Hopper GPU")]
+
+# (M, K, N, G, with bias, dgrad): decode (split K), fine-grained (skipping kernel), large.
+CASES = [(4, 2048, 1536, 128, False, False), (4, 768, 2048, 128, False, True),
+         (2048, 512, 768, 64, True, False), (4096, 2048, 1536, 32, True, True)]
+
+_SCRIPT = """
+import torch, compiled_moe as cm
+from helpers import random_offsets
+results = []
+for M, K, N, G, with_bias, dgrad in CASES:
+    g = torch.Generator().manual_seed(M + K)
+    a = torch.randn(M, K, generator=g).bfloat16().cuda()
+    # forward: the transposed view of a (G, N, K) weight; dgrad: a contiguous (G, K, N) one
+    b = (torch.randn(G, K, N, generator=g) / K ** 0.5).bfloat16().cuda() if dgrad else \
+        (torch.randn(G, N, K, generator=g) / K ** 0.5).bfloat16().cuda().mT
+    bias = torch.randn(G, b.shape[2], generator=g).bfloat16().cuda() if with_bias else None
+    offs = random_offsets(M, G, generator=g, empty_groups=1).cuda()
+    results.append(cm.grouped_mm(a, b, offs, bias=bias).cpu())
+torch.save(results, OUT)
+"""
+
+
+def test_cuda_kernel_registered():
+    assert host.cuda_module() is not None, "the C++ host layer did not build on this GPU machine"
+    assert "csrc/host/ops.cpp" in torch._C._dispatch_dump("compiled_moe::grouped_mm").split("CUDA:")[1].splitlines()[0]
+
+
+def test_same_bits_as_the_python_launcher(tmp_path):
+    outs = []
+    for setting in ("1", "0"):
+        path = tmp_path / f"out{setting}.pt"
+        script = f"CASES = {CASES!r}\n" + _SCRIPT.replace("OUT", repr(str(path)))
+        env = dict(os.environ, COMPILED_MOE_HOST=setting,
+                   PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+        run = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True,
+                             text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        outs.append(torch.load(path))
+    for case, with_layer, without in zip(CASES, *outs):
+        assert torch.equal(with_layer, without), case
+
+
+def test_graph_replay_under_changing_routing_and_no_sync():
+    torch.manual_seed(0)
+    M, K, N, G = 64, 2048, 1536, 128
+    a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+    offs = random_offsets(M, G, empty_groups=3).cuda()
+    cm.grouped_mm(a, w.mT, offs)  # plan and tensor maps outside capture
+    with no_sync():
+        torch.ops.compiled_moe.grouped_mm(a, w.mT, offs, None, None)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.compiled_moe.grouped_mm(a, w.mT, offs, None, None)
+    for seed in range(3):
+        offs.copy_(random_offsets(M, G, generator=torch.Generator().manual_seed(seed), empty_groups=seed).cuda())
+        a.copy_(torch.randn_like(a))
+        graph.replay()
+        torch.testing.assert_close(out.double(), loop_grouped_mm(a, w.mT, offs), rtol=2e-2, atol=2e-2)
+        assert torch.equal(out, torch.ops.compiled_moe.grouped_mm(a, w.mT, offs, None, None))
+
+
+def test_opcheck():
+    torch.manual_seed(0)
+    a = torch.randn(96, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(4, 64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    bias = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    offs = random_offsets(96, 4, empty_groups=1, tail=3).cuda()
+    torch.library.opcheck(torch.ops.compiled_moe.grouped_mm.default, (a, w.mT, offs, bias, None))

@@ -1,0 +1,172 @@
+"""CPU tier: the C++ host layer (csrc/host): its build, its registrations, the errors it raises,
+its autograd formula, and the package with the layer off or unbuildable.
+
+conftest.py turns the layer on for the whole tier (on a CPU build of torch it is off by
+default), so the other tests run grouped_mm's C++ checks and autograd too.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import compiled_moe as cm
+from compiled_moe import host
+from compiled_moe.ops import grouped_mm as grouped_mm_ops
+from helpers import random_offsets
+
+pytestmark = pytest.mark.skipif(host.module() is None, reason="the C++ host layer did not build here")
+
+
+def _registered_in_cpp(op: str, key: str) -> bool:
+    """The op's kernel for the dispatch key comes from csrc/host (the dispatcher records the
+    registering file)."""
+    dump = torch._C._dispatch_dump(f"compiled_moe::{op}")
+    return any(line.split(":")[0].split("[")[0] == key and "csrc/host/ops.cpp" in line
+               for line in dump.splitlines())
+
+
+def test_registrations_and_schema():
+    assert _registered_in_cpp("grouped_mm", "Autograd")
+    assert _registered_in_cpp("grouped_mm", "CUDA") == host.module().has_cuda
+    assert not _registered_in_cpp("grouped_mm", "CPU")  # the reference stays the CPU path
+    assert str(torch.ops.compiled_moe.grouped_mm.default._schema) == (
+        "compiled_moe::grouped_mm(Tensor a, Tensor b, Tensor offs, Tensor? bias=None, "
+        "ScalarType? out_dtype=None) -> Tensor")
+
+
+def _bad_grouped_mm_calls():
+    a = torch.randn(10, 8)
+    w = torch.randn(3, 6, 8)
+    offs = torch.tensor([3, 3, 9], dtype=torch.int32)
+    bias = torch.randn(3, 6)
+    return {
+        "a 1-D": (a[0], w.mT, offs, None, None),
+        "b 2-D": (a, w[0], offs, None, None),
+        "a int": (a.int(), w.mT, offs, None, None),
+        "dtypes differ": (a, w.mT.double(), offs, None, None),
+        "offs int64": (a, w.mT, offs.long(), None, None),
+        "offs too short": (a, w.mT, offs[:2], None, None),
+        "offs 2-D": (a, w.mT, offs[None], None, None),
+        "K differs": (a, w, offs, None, None),
+        "bias shape": (a, w.mT, offs, bias[:2], None),
+        "bias 1-D": (a, w.mT, offs, bias[0], None),
+        "bias int": (a, w.mT, offs, bias.int(), None),
+        "out_dtype": (a, w.mT, offs, None, torch.int32),
+        "no groups": (a, w[:0].mT, offs[:0], None, None),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_grouped_mm_calls()))
+def test_errors_are_the_python_checks(case):
+    """The C++ checks raise the Python checks' exception types and messages, word for word."""
+    args = _bad_grouped_mm_calls()[case]
+    with pytest.raises((TypeError, ValueError)) as python_error:
+        grouped_mm_ops._check_grouped_mm(*args)
+    with pytest.raises((TypeError, ValueError)) as cpp_error:
+        torch.ops.compiled_moe.grouped_mm(*args)
+    assert type(cpp_error.value) is type(python_error.value)
+    assert str(cpp_error.value) == str(python_error.value)
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_autograd_formula_gradcheck(transposed, with_bias):
+    """The C++ formula (dgrad, weight gradient in the weight's storage order, grouped dbias)
+    against finite differences, float64 on the reference path; groups with empty ones and rows
+    past the last group."""
+    torch.manual_seed(0)
+    M, K, N, G = 13, 8, 6, 4
+    a = torch.randn(M, K, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(G, N, K, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(G, N, dtype=torch.float64, requires_grad=True) if with_bias else None
+    offs = random_offsets(M, G, empty_groups=1, tail=2)
+
+    def f(a, w, *bias):
+        b = w.mT if transposed else w.mT.contiguous()
+        return cm.grouped_mm(a, b, offs, bias=bias[0] if bias else None)
+
+    inputs = (a, w) + ((bias,) if with_bias else ())
+    assert torch.autograd.gradcheck(f, inputs)
+    out = f(*inputs)
+    assert "GroupedMmFunction" in out.grad_fn.name()  # the C++ formula's node
+    out.sum().backward()
+    assert w.grad.stride() == w.stride()  # written in the weight's own layout
+
+
+def test_autograd_matches_python_formula():
+    """The C++ formula and the Python one (the layer off, in a subprocess) give the same
+    gradients to the bit on the same inputs."""
+    script = textwrap.dedent("""
+        import torch, compiled_moe as cm
+        torch.manual_seed(1)
+        a = torch.randn(11, 8, requires_grad=True)
+        w = torch.randn(3, 6, 8, requires_grad=True)
+        bias = torch.randn(3, 6, requires_grad=True)
+        offs = torch.tensor([2, 2, 9], dtype=torch.int32)
+        y = cm.grouped_mm(a, w.mT, offs, bias=bias)
+        (y * torch.arange(y.numel()).reshape(y.shape).sin()).sum().backward()
+        torch.save([y.detach(), a.grad, w.grad, bias.grad], OUT)
+    """)
+    results = []
+    for setting in ("1", "0"):
+        out = f"{os.environ.get('TMPDIR', '/tmp')}/host_formula_{setting}_{os.getpid()}.pt"
+        env = dict(os.environ, COMPILED_MOE_HOST=setting)
+        run = subprocess.run([sys.executable, "-c", script.replace("OUT", repr(out))], env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        results.append(torch.load(out))
+        os.remove(out)
+    for with_layer, without in zip(*results):
+        assert torch.equal(with_layer, without)
+
+
+def test_layer_off_and_unbuildable(tmp_path):
+    """COMPILED_MOE_HOST=0: nothing registered from C++, the Python kernels serve. A layer that
+    cannot be built (no compiler): importing warns once, and the Python path serves."""
+    script = textwrap.dedent("""
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import torch, compiled_moe as cm
+            from compiled_moe import host
+        dump = torch._C._dispatch_dump("compiled_moe::grouped_mm")
+        a, w = torch.randn(5, 4, requires_grad=True), torch.randn(2, 3, 4)
+        y = cm.grouped_mm(a, w.mT, torch.tensor([2, 5], dtype=torch.int32))
+        y.sum().backward()
+        messages = [str(w.message) for w in caught if "host layer" in str(w.message)]
+        print(host.module() is None, "csrc/host" in dump, len(messages), tuple(a.grad.shape) == (5, 4))
+    """)
+    off = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, COMPILED_MOE_HOST="0"))
+    assert off.returncode == 0, off.stderr[-3000:]
+    assert off.stdout.split() == ["True", "False", "0", "True"], off.stdout
+    broken = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, COMPILED_MOE_HOST="1", CXX=str(tmp_path / "no-such-compiler"),
+                                     COMPILED_MOE_CACHE_DIR=str(tmp_path)))
+    assert broken.returncode == 0, broken.stderr[-3000:]
+    assert broken.stdout.split() == ["True", "False", "1", "True"], broken.stdout
+
+
+def test_compile_dynamic_one_compile_through_the_cpp_formula():
+    """The C++ checks read sizes as SymInts: a dynamic compile of forward+backward stays one
+    graph for every token count (an int size there pinned the token count)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    w = torch.randn(4, 24, 16, requires_grad=True)
+
+    def step(x, offs):
+        return cm.grouped_mm(x, w.mT, offs).relu().sum()
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    for M in (23, 40):
+        x = torch.randn(M, 16, requires_grad=True)
+        compiled(x, random_offsets(M, 4, empty_groups=1, tail=2)).backward()
+    assert counter.frame_count == 1
