@@ -9,6 +9,10 @@ Same process, same inputs. Two tables:
          against Hugging Face's grouped_mm experts backend, wall time per call (host and GPU
          together, as a decoding model sees it), and forward+backward.
 
+  generate: Hugging Face generate() tokens/s (eager, greedy) on an 8-layer Qwen3-MoE-shaped
+         model (random weights, bf16), experts_implementation "compiled_moe" against
+         "grouped_mm" and "eager", batch 1 and 8.
+
 Run it once with the C++ host layer (the default on a CUDA build of torch) and once with
 COMPILED_MOE_HOST=0 for the Python path:
 
@@ -121,12 +125,51 @@ def block_rows(tokens_list):
     return rows
 
 
+def generate_rows(batches=(1, 8), new_tokens=64, layers=8):
+    import compiled_moe.integrations.transformers  # noqa: F401 (registers "compiled_moe")
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                         num_experts=128, num_experts_per_tok=8, num_hidden_layers=layers,
+                         num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                         vocab_size=32000, norm_topk_prob=True)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    rows = []
+    print(f"generate() tokens/s, {layers}-layer Qwen3-MoE-shaped model, {new_tokens} new tokens, greedy")
+    for batch in batches:
+        prompt = torch.randint(0, cfg.vocab_size, (batch, 16), device="cuda")
+        rates, outputs = {}, {}
+        for impl in ("compiled_moe", "grouped_mm", "eager"):
+            model.set_experts_implementation(impl)
+            run = lambda: model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,  # noqa: E731
+                                         do_sample=False, pad_token_id=0)
+            run()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            outputs[impl] = run()
+            torch.cuda.synchronize()
+            rates[impl] = batch * new_tokens / (time.perf_counter() - t0)
+        print(f"  batch {batch}: compiled_moe {rates['compiled_moe']:7.1f} | grouped_mm {rates['grouped_mm']:7.1f} "
+              f"({rates['compiled_moe'] / rates['grouped_mm']:.2f}x) | eager {rates['eager']:7.1f} "
+              f"({rates['compiled_moe'] / rates['eager']:.2f}x)")
+        rows.append(dict(table="generate", batch=batch, **{f"{k}_tok_s": v for k, v in rates.items()}))
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 512])
+    parser.add_argument("--tables", nargs="+", default=["ops", "block", "generate"])
     parser.add_argument("--json")
     args = parser.parse_args()
-    rows = op_rows() + block_rows(args.tokens)
+    rows = []
+    if "ops" in args.tables:
+        rows += op_rows()
+    if "block" in args.tables:
+        rows += block_rows(args.tokens)
+    if "generate" in args.tables:
+        rows += generate_rows()
     if args.json:
         write_json(args.json, dict(environment=environment(), host_layer=host.cuda_module() is not None,
                                    COMPILED_MOE_HOST=os.environ.get("COMPILED_MOE_HOST"), rows=rows))

@@ -15,13 +15,65 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from compiled_moe.reference import (ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS,
+from compiled_moe.reference import (ACTIVATION_CODES, ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS,
                                     GPT_OSS_ALPHA, GPT_OSS_LIMIT, check_recipe)
 from compiled_moe.fp8 import fp8_activation_grouped_mm
-from compiled_moe.kernels.configs import fp8_group_rows, mlp_gathers_input
+from compiled_moe.kernels.configs import HOST_BLOCK_MAX_PAIRS, fp8_group_rows, mlp_gathers_input
 from compiled_moe.mlp import (_needs_grad, activation_constants, apply_activation,
                               check_fp8_weights, grouped_linear)
-from compiled_moe.ops._dispatch import check_same_device, check_same_dtype, check_tensor
+from compiled_moe.ops._dispatch import check_same_device, check_same_dtype, check_tensor, is_real_tensor
+
+
+def _host_block_kernels(dev: int) -> tuple:
+    """The C++ host layer's question, once per device: the handles of the block's route and
+    row kernels, and the SM count (csrc/host/ops.cpp's BlockKernels)."""
+    from compiled_moe import native
+    from compiled_moe.kernels.grouped_mm import _num_sms
+
+    def handle(source, name):
+        return native.function_handle(native.kernel(source, name, dev), dev)
+
+    return (handle("moe_route", "moe_route_rank_i32"), handle("moe_route", "moe_route_rank_i64"),
+            handle("moe_route", "moe_route_place_i32"), handle("moe_route", "moe_route_place_i64"),
+            handle("moe_rows", "moe_gather_rows"), handle("moe_rows", "moe_activation_rows"),
+            handle("moe_rows", "moe_combine_rows"), _num_sms(dev))
+
+
+_host_block_module = None  # the host layer's module once its block kernels are registered
+
+
+def _host_block():
+    global _host_block_module
+    if _host_block_module is None:
+        from compiled_moe import host
+
+        module = host.cuda_module()
+        if module is None:
+            return None
+        module.register_experts_block(_host_block_kernels)
+        _host_block_module = module
+    return _host_block_module
+
+
+def host_block_applies(hidden, topk_ids, topk_weights, w1, w2, b1, b2) -> bool:
+    """The block's forward runs as one C++ host call (csrc/host/ops.cpp, moe_experts_forward):
+    an eager call on real tensors that needs no gradient, on Hopper, bf16/fp16, rows that move
+    as 16-byte pieces, up to configs.HOST_BLOCK_MAX_PAIRS pairs (a decoding model's steps)."""
+    if (torch.compiler.is_compiling() or hidden.device.type != "cuda" or not is_real_tensor(hidden)
+            or torch._C._len_torch_dispatch_stack() != 0
+            or hidden.dtype not in (torch.bfloat16, torch.float16)
+            or topk_weights.dtype not in (torch.bfloat16, torch.float16, torch.float32)
+            or _needs_grad(hidden, w1, w2, b1, b2, topk_weights)):
+        return False
+    pairs = topk_ids.numel()
+    es = hidden.element_size()
+    if not (0 < pairs <= HOST_BLOCK_MAX_PAIRS and hidden.stride(1) == 1
+            and (hidden.shape[1] * es) % 16 == 0 and (hidden.stride(0) * es) % 16 == 0
+            and hidden.data_ptr() % 16 == 0):
+        return False
+    from compiled_moe.native import hopper
+
+    return hopper(hidden.device.index) and _host_block() is not None
 
 
 def _check_experts_args(hidden, topk_ids, topk_weights, w1, w2, activation, gate_up_layout,
@@ -118,6 +170,11 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
                             b2, fp8_recipe)
     w1_fp8, w2_fp8 = check_fp8_weights(fp8_weights, fp8_recipe)
     num_experts = w1.shape[0]
+    if (fused is None and fp8_recipe is None and not callable(activation)
+            and host_block_applies(hidden, topk_ids, topk_weights, w1, w2, b1, b2)):
+        return _host_block().moe_experts_forward(
+            hidden, topk_ids, topk_weights, w1, w2, b1, b2, ACTIVATION_CODES[activation],
+            gate_up_layout == "interleaved", alpha, limit)
     if fused is None:
         fused = fp8_recipe is None and not callable(activation)
     if fused:

@@ -193,6 +193,8 @@ def moe_unpermute(y: Tensor, row_of: Tensor, weights: Tensor | None = None) -> T
 
 ACTIVATIONS = ("swiglu", "geglu", "gpt_oss", "relu2", "gelu", "silu")
 GATED_ACTIVATIONS = ("swiglu", "geglu", "gpt_oss")
+# The kernels' activation codes (Triton and CUDA: csrc/activation.cuh); the gated ones first.
+ACTIVATION_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}
 GATE_UP_LAYOUTS = ("stacked", "interleaved")
 GPT_OSS_ALPHA = 1.702
 GPT_OSS_LIMIT = 7.0

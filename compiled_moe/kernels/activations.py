@@ -15,9 +15,10 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from compiled_moe.kernels.configs import activation_config, size_hint
+from compiled_moe.reference import ACTIVATION_CODES
 
 # Activation codes (constexpr in the kernels).
-CODES = {"swiglu": 0, "geglu": 1, "gpt_oss": 2, "relu2": 3, "gelu": 4, "silu": 5}
+CODES = ACTIVATION_CODES
 GATED = (0, 1, 2)
 
 

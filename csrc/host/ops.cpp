@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <unordered_map>
@@ -306,11 +307,9 @@ pybind11::object& grouped_mm_fallback() {  // kernels/grouped_mm.py's Triton lau
   return *fn;
 }
 
-at::Tensor grouped_mm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
-                           const std::optional<at::Tensor>& bias, std::optional<c10::ScalarType> out_dtype) {
-  check_grouped_mm(a, b, offs, bias, out_dtype);
-  c10::DeviceGuard guard(a.device());
-  const auto out_type = out_dtype.value_or(a.scalar_type());
+// grouped_mm on a CUDA device past its checks, under the caller's device guard.
+at::Tensor grouped_mm_device(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
+                             const std::optional<at::Tensor>& bias, c10::ScalarType out_type) {
   const char* gemm = std::getenv("COMPILED_MOE_GEMM");  // =triton turns the CUDA kernels off
   ShapeKey key{{a.size(0), a.size(1), b.size(0), b.size(2), a.stride(0) * 4 + a.stride(1),
                 b.stride(0), b.stride(1) * 2 + (b.stride(2) == 1), static_cast<int64_t>(a.scalar_type()),
@@ -346,6 +345,134 @@ at::Tensor grouped_mm_cuda(const at::Tensor& a, const at::Tensor& b, const at::T
   }
   return out;
 }
+
+at::Tensor grouped_mm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
+                           const std::optional<at::Tensor>& bias, std::optional<c10::ScalarType> out_dtype) {
+  check_grouped_mm(a, b, offs, bias, out_dtype);
+  c10::DeviceGuard guard(a.device());
+  return grouped_mm_device(a, b, offs, bias, out_dtype.value_or(a.scalar_type()));
+}
+
+// ------------------------------------------------------------------------------ the experts block
+
+// The kernels of the block's other steps on a device (csrc/moe_route.cu, csrc/moe_rows.cu),
+// asked of Python once per device (experts.py's host_block_kernels).
+struct BlockKernels {
+  CUfunction route_rank[2], route_place[2];  // by id dtype: int32, int64
+  CUfunction gather, activation, combine;
+  unsigned sms;
+};
+
+pybind11::object& block_kernels_fn() {
+  static pybind11::object* fn = new pybind11::object();
+  return *fn;
+}
+
+const BlockKernels& block_kernels(int device) {
+  static std::mutex mutex;
+  static std::unordered_map<int, BlockKernels> kernels;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = kernels.find(device);
+    if (it != kernels.end()) return it->second;
+  }
+  BlockKernels k;
+  {
+    pybind11::gil_scoped_acquire gil;
+    auto t = block_kernels_fn()(device).cast<pybind11::tuple>();
+    auto f = [&t](int i) { return reinterpret_cast<CUfunction>(t[i].cast<int64_t>()); };
+    k = {{f(0), f(1)}, {f(2), f(3)}, f(4), f(5), f(6), static_cast<unsigned>(t[7].cast<int64_t>())};
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  return kernels.emplace(device, k).first->second;
+}
+
+unsigned grid_for(int64_t elements, unsigned sms) {  // grid-stride kernels: up to 8 blocks an SM
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((elements + 255) / 256, 8 * sms)));
+}
+
+// moe_route's CUDA kernels into offs (E,), row_of (T, k), source (T*k,), no padding; the launch
+// arithmetic of compiled_moe/ops/routing.py's _route_cuda (which serves where this layer does not).
+void route(const at::Tensor& ids, int64_t num_experts, const at::Tensor& offs, const at::Tensor& row_of,
+           const at::Tensor& source, const BlockKernels& k, int device) {
+  constexpr int64_t kSharedInts = 12288;
+  const int64_t n = ids.numel();
+  const int64_t num_warps = std::max<int64_t>(1, std::min<int64_t>(32, kSharedInts / num_experts));
+  const int64_t block = 32 * num_warps;
+  int32_t items = static_cast<int32_t>(std::max<int64_t>(1, (n + block * 128 - 1) / (block * 128)));
+  int32_t chunk = static_cast<int32_t>(block * items);
+  int32_t num_chunks = static_cast<int32_t>(std::max<int64_t>(1, (n + chunk - 1) / chunk));
+  at::Tensor hist = at::empty({num_chunks * num_experts}, ids.options().dtype(at::kInt));
+  const int wide = ids.scalar_type() == at::kLong;
+  void *ids_p = ids.data_ptr(), *row_of_p = row_of.data_ptr(), *hist_p = hist.data_ptr(),
+       *offs_p = offs.data_ptr(), *source_p = source.data_ptr();
+  int64_t n64 = n, source_rows = source.size(0);
+  int32_t experts = static_cast<int32_t>(num_experts), pad = 1;
+  void* rank_args[] = {&ids_p, &row_of_p, &hist_p, &n64, &experts, &items};
+  launch(device, k.route_rank[wide], num_chunks, block, 4 * num_warps * num_experts, rank_args);
+  void* place_args[] = {&ids_p, &row_of_p, &hist_p, &offs_p, &source_p, &n64, &source_rows, &experts,
+                        &num_chunks, &chunk, &pad};
+  launch(device, k.route_place[wide], num_chunks, block, 4 * (2 * num_experts + 32), place_args);
+}
+
+int weight_kind(c10::ScalarType t) {  // csrc/moe_rows.cu's kinds
+  return t == c10::kBFloat16 ? 0 : t == c10::kHalf ? 1 : 2;
+}
+
+// The experts block's forward in one host call, for eager calls that need no gradient (a
+// decoding model): route -> gather -> FC1 -> activation -> FC2 -> combine, launched back to
+// back. compiled_moe/experts.py's moe_experts checks the arguments and calls it where it
+// applies (host_block_applies): hidden bf16/fp16 with rows of 16-byte multiples, Hopper.
+at::Tensor moe_experts_forward(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                               const at::Tensor& w1, const at::Tensor& w2, const std::optional<at::Tensor>& b1,
+                               const std::optional<at::Tensor>& b2, int64_t code, bool interleaved, double alpha,
+                               double limit) {
+  c10::DeviceGuard guard(hidden.device());
+  const int device = hidden.device().index();
+  ensure_context(device);
+  const BlockKernels& k = block_kernels(device);
+  const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1), top_k = topk_ids.size(1);
+  const int64_t experts = w1.size(0), inter = w2.size(2), pairs = tokens * top_k;
+  const auto options = hidden.options();
+  at::Tensor ids = topk_ids.contiguous(), weights = topk_weights.contiguous();
+  at::Tensor offs = at::empty({experts}, options.dtype(at::kInt));
+  at::Tensor row_of = at::empty({tokens, top_k}, options.dtype(at::kInt));
+  at::Tensor source = at::empty({pairs}, options.dtype(at::kInt));
+  route(ids, experts, offs, row_of, source, k, device);
+
+  at::Tensor x = at::empty({pairs, hidden_size}, options);
+  {
+    const void* hidden_p = hidden.data_ptr();
+    void *source_p = source.data_ptr(), *x_p = x.data_ptr();
+    int64_t stride = hidden.stride(0) * 2 / 16, rows = pairs, num_pairs = pairs;
+    int32_t chunks = static_cast<int32_t>(hidden_size * 2 / 16), kk = static_cast<int32_t>(top_k);
+    void* args[] = {&hidden_p, &stride, &source_p, &x_p, &rows, &chunks, &kk, &num_pairs};
+    launch(device, k.gather, grid_for(pairs * chunks, k.sms), 256, 0, args);
+  }
+  const int32_t kind = hidden.scalar_type() == at::kBFloat16 ? 0 : 1;
+  at::Tensor h = grouped_mm_device(x, w1.mT(), offs, b1, hidden.scalar_type());
+  at::Tensor a = at::empty({pairs, inter}, options);
+  {
+    void *h_p = h.data_ptr(), *a_p = a.data_ptr();
+    int64_t h_stride = h.stride(0), rows = pairs;
+    int32_t inter32 = static_cast<int32_t>(inter), code32 = static_cast<int32_t>(code), inter_leaved = interleaved;
+    float alpha32 = static_cast<float>(alpha), limit32 = static_cast<float>(limit);
+    int32_t kind32 = kind;
+    void* args[] = {&h_p, &h_stride, &a_p, &rows, &inter32, &kind32, &code32, &inter_leaved, &alpha32, &limit32};
+    launch(device, k.activation, grid_for(pairs * inter, k.sms), 256, 0, args);
+  }
+  at::Tensor y = grouped_mm_device(a, w2.mT(), offs, b2, hidden.scalar_type());
+  at::Tensor out = at::empty({tokens, hidden_size}, options);
+  {
+    void *y_p = y.data_ptr(), *row_of_p = row_of.data_ptr(), *w_p = weights.data_ptr(), *out_p = out.data_ptr();
+    int64_t y_rows = y.size(0), tokens64 = tokens;
+    int32_t wkind = weight_kind(weights.scalar_type()), kk = static_cast<int32_t>(top_k),
+            hidden32 = static_cast<int32_t>(hidden_size), kind32 = kind;
+    void* args[] = {&y_p, &y_rows, &row_of_p, &w_p, &wkind, &out_p, &tokens64, &kk, &hidden32, &kind32};
+    launch(device, k.combine, grid_for(tokens * hidden_size, k.sms), 256, 0, args);
+  }
+  return out;
+}
 #endif  // COMPILED_MOE_CUDA
 
 torch::Library& library() {
@@ -360,6 +487,14 @@ torch::Library& library() {
 // gives the Hopper kernel's plan for a shape, or None where the kernel does not apply (out: an
 // empty tensor of the output's dtype); fallback(a, b, offs, bias, out) writes the product into
 // out with the Triton kernel, for the rest.
+// block_kernels(device): the handles of the experts block's other kernels on a device (see
+// BlockKernels).
+void register_experts_block(pybind11::object block_kernels) {
+#ifdef COMPILED_MOE_CUDA
+  block_kernels_fn() = std::move(block_kernels);
+#endif
+}
+
 void register_grouped_mm(pybind11::object decide, pybind11::object fallback) {
   library().impl("grouped_mm", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(grouped_mm_autograd)));
 #ifdef COMPILED_MOE_CUDA
@@ -374,6 +509,7 @@ void register_grouped_mm(pybind11::object decide, pybind11::object fallback) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "compiled_moe's C++ host layer (csrc/host)";
   m.def("register_grouped_mm", &compiled_moe::register_grouped_mm);
+  m.def("register_experts_block", &compiled_moe::register_experts_block);
 #ifdef COMPILED_MOE_CUDA
   m.attr("has_cuda") = true;
   m.def("launch_grouped_mm_sm90", [](const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
@@ -381,6 +517,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                      pybind11::handle plan) {
     compiled_moe::launch_grouped_mm_sm90(a, b, offs, bias, out, compiled_moe::read_plan(plan));
   });
+  m.def("moe_experts_forward", &compiled_moe::moe_experts_forward);
 #else
   m.attr("has_cuda") = false;
 #endif
