@@ -32,18 +32,7 @@ import compiled_moe as cm
 from compiled_moe import host
 from bench_experts import hf_experts_module, skewed_topk
 from common import MODELS, environment, write_json
-
-
-def host_us(fn, calls=200):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+from host_overhead import host_us
 
 
 def wall_us(fn, calls=100):

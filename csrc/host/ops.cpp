@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/autograd.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -30,6 +31,28 @@ namespace {
 // The same errors, word for word, as compiled_moe/ops/_dispatch.py's checks (tests compare
 // them): ValueError for shapes and devices, TypeError for dtypes. Sizes are read as SymInts:
 // under torch.compile the tensors are symbolic, and an int size would pin the token count.
+//
+// A failed check sets the Python exception itself and throws torch's python_error, which the
+// dispatcher's Python boundary turns back into that exception (as for a Python kernel's
+// error). No c10::Error is built here: on the H200 image (torch 2.11, Python 3.12) a second
+// c10::ValueError thrown from this extension in one process crashed it (a pytest run; it did
+// not reproduce with torch 2.11 on another machine, the cause is not known).
+[[noreturn]] void raise_python(PyObject* type, const std::string& message) {
+  pybind11::gil_scoped_acquire gil;
+  PyErr_SetString(type, message.c_str());
+  python_error error;
+  error.persist();
+  throw error;
+}
+
+#define CM_CHECK_VALUE(cond, ...) \
+  do {                            \
+    if (C10_UNLIKELY(!(cond))) raise_python(PyExc_ValueError, c10::str(__VA_ARGS__)); \
+  } while (0)
+#define CM_CHECK_TYPE(cond, ...) \
+  do {                           \
+    if (C10_UNLIKELY(!(cond))) raise_python(PyExc_TypeError, c10::str(__VA_ARGS__)); \
+  } while (0)
 
 std::string dtype_name(c10::ScalarType t) {
   switch (t) {
@@ -69,31 +92,31 @@ bool is_op_dtype(c10::ScalarType t) {
 constexpr const char* kOpDtypes = "bfloat16, float16, float32, float64";
 
 void check_tensor(const char* name, const at::Tensor& t, int64_t ndim) {
-  TORCH_CHECK_VALUE(t.dim() == ndim, name, " must be ", ndim, "-D, got shape ", shape_str(t.sym_sizes()));
-  TORCH_CHECK_TYPE(is_op_dtype(t.scalar_type()), name, " must have dtype in (", kOpDtypes, "), got ",
+  CM_CHECK_VALUE(t.dim() == ndim, name, " must be ", ndim, "-D, got shape ", shape_str(t.sym_sizes()));
+  CM_CHECK_TYPE(is_op_dtype(t.scalar_type()), name, " must have dtype in (", kOpDtypes, "), got ",
                    dtype_name(t.scalar_type()));
 }
 
 void check_same_dtype(const char* ref_name, const at::Tensor& ref, const char* name, const at::Tensor& t) {
-  TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), name, " has dtype ", dtype_name(t.scalar_type()),
+  CM_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), name, " has dtype ", dtype_name(t.scalar_type()),
                    " but ", ref_name, " has ", dtype_name(ref.scalar_type()), "; they must match");
 }
 
 void check_same_device(const char* ref_name, const at::Tensor& ref, const char* name, const at::Tensor& t) {
-  TORCH_CHECK_VALUE(t.device() == ref.device(), name, " is on ", t.device().str(), " but ", ref_name,
+  CM_CHECK_VALUE(t.device() == ref.device(), name, " is on ", t.device().str(), " but ", ref_name,
                     " is on ", ref.device().str());
 }
 
 void check_offs(const at::Tensor& offs, const c10::SymInt& num_groups) {
-  TORCH_CHECK_TYPE(offs.scalar_type() == c10::kInt,
+  CM_CHECK_TYPE(offs.scalar_type() == c10::kInt,
                    "offs must be int32 (cumulative end row of each group), got ", dtype_name(offs.scalar_type()));
-  TORCH_CHECK_VALUE(offs.dim() == 1 && offs.sym_size(0) == num_groups, "offs must have shape (", size_str(num_groups),
+  CM_CHECK_VALUE(offs.dim() == 1 && offs.sym_size(0) == num_groups, "offs must have shape (", size_str(num_groups),
                     ",), one entry per group, got ", shape_str(offs.sym_sizes()));
-  TORCH_CHECK_VALUE(num_groups >= 1, "need at least one group");
+  CM_CHECK_VALUE(num_groups >= 1, "need at least one group");
 }
 
 void check_out_dtype(std::optional<c10::ScalarType> out_dtype) {
-  TORCH_CHECK_TYPE(!out_dtype || is_op_dtype(*out_dtype),
+  CM_CHECK_TYPE(!out_dtype || is_op_dtype(*out_dtype),
                    "out_dtype must be one of (torch.bfloat16, torch.float16, torch.float32, torch.float64) "
                    "or None, got ", out_dtype ? dtype_name(*out_dtype) : "None");
 }
@@ -108,11 +131,11 @@ void check_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
   check_same_device("a", a, "b", b);
   check_same_device("a", a, "offs", offs);
   if (bias) check_same_device("a", a, "bias", *bias);
-  TORCH_CHECK_VALUE(a.sym_size(1) == b.sym_size(1), "a has K=", size_str(a.sym_size(1)), " columns but b is (G, K, N) = ",
+  CM_CHECK_VALUE(a.sym_size(1) == b.sym_size(1), "a has K=", size_str(a.sym_size(1)), " columns but b is (G, K, N) = ",
                     shape_str(b.sym_sizes()), "; K must match (pass an (G, N, K) weight as w.transpose(-2, -1))");
   if (bias) {
     check_tensor("bias", *bias, 2);
-    TORCH_CHECK_VALUE(bias->sym_size(0) == b.sym_size(0) && bias->sym_size(1) == b.sym_size(2),
+    CM_CHECK_VALUE(bias->sym_size(0) == b.sym_size(0) && bias->sym_size(1) == b.sym_size(2),
                       "bias must have shape (G, N) = (", size_str(b.sym_size(0)), ", ", size_str(b.sym_size(2)), "), got ",
                       shape_str(bias->sym_sizes()));
   }
