@@ -18,15 +18,23 @@ import traceback
 CASE_TIMEOUT_S = 120
 
 
-def _worker(rank, world_size, init_file, commands, results):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+def _worker(rank, world_size, init_file, backend, cases, commands, results):
     import torch
+
+    if backend == "gloo":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        torch.set_num_threads(1)
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
-    import ep_cases
+    kw = {}
+    if backend == "nccl":  # one GPU per rank
+        torch.cuda.set_device(rank)
+        kw["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=60), **kw)
+    import importlib
+
+    ep_cases = importlib.import_module(cases)
 
     while (command := commands.get()) is not None:
         name, kwargs = command
@@ -38,8 +46,10 @@ def _worker(rank, world_size, init_file, commands, results):
 
 
 class RankPool:
-    def __init__(self, world_size: int):
-        self.world_size = world_size
+    """``backend`` gloo (CPU) or nccl (rank r on GPU r); ``cases``: the module of case functions."""
+
+    def __init__(self, world_size: int, backend: str = "gloo", cases: str = "ep_cases"):
+        self.world_size, self.backend, self.cases = world_size, backend, cases
         self._procs = []
 
     def _start(self):
@@ -50,8 +60,8 @@ class RankPool:
         self._commands = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         self._procs = [ctx.Process(target=_worker, daemon=True,
-                                   args=(r, self.world_size, init_file, self._commands[r],
-                                         self._results))
+                                   args=(r, self.world_size, init_file, self.backend,
+                                         self.cases, self._commands[r], self._results))
                        for r in range(self.world_size)]
         for p in self._procs:
             p.start()
