@@ -172,9 +172,10 @@ def compiled_matches_eager(num_chunks=2):
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")
+    group = world_group()
 
     def step(hidden, ids, weights, w1, w2):
-        return ep_moe_experts(hidden, ids, weights, w1, w2, ep_group=world_group(),
+        return ep_moe_experts(hidden, ids, weights, w1, w2, ep_group=group,
                               capacity_factor=1.25, num_chunks=num_chunks)
 
     compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
