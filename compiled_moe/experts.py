@@ -124,7 +124,8 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
                 b1: Tensor | None = None, b2: Tensor | None = None,
                 alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT,
                 fp8_recipe: str | None = None, fused: bool | None = None,
-                fp8_weights: tuple | None = None) -> Tensor:
+                fp8_weights: tuple | None = None, ep_group=None,
+                ep_capacity_factor: float | None = 1.25, ep_num_chunks: int | None = None):
     """Run every token through its top-k experts and sum the outputs with the routing weights.
 
     ``out[t] = sum_s topk_weights[t, s] * FC2_e(act(FC1_e(hidden[t])))`` with e = topk_ids[t, s].
@@ -157,10 +158,29 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
         fp8_weights: with fp8_recipe, ``(quantize_weight(w1, recipe), quantize_weight(w2,
             recipe))`` computed beforehand (once per optimizer step for several micro-batches);
             None quantizes the weights in the call.
+        ep_group: a torch.distributed ProcessGroup of P ranks for expert parallelism: each rank
+            passes its own tokens with global ids in [0, E), E = P * w1.shape[0], and its own
+            experts (rank r: [r * E/P, (r+1) * E/P)) as w1, w2, b1, b2; see
+            docs/expert_parallel.md and :func:`compiled_moe.distributed.ep_moe_experts`.
+        ep_capacity_factor: with ep_group, a float for the sync-free mode (rows per rank pair
+            ``ceil(factor * T * k / P)``, pairs past it dropped and counted) or None for the
+            exact mode (no drops, one host sync per call).
+        ep_num_chunks: with ep_group, the chunks of the exchange/GEMM pipeline (default 2
+            over several ranks).
 
     Returns:
         (T, H) in hidden's dtype. Differentiable in hidden, w1, w2, b1, b2 and topk_weights.
+        With ep_group: ``(out, dropped)``, dropped an int64 () device tensor counting this
+        rank's dropped pairs.
     """
+    if ep_group is not None:
+        from compiled_moe.distributed.experts import ep_block
+
+        return ep_block(hidden, topk_ids, topk_weights, w1, w2, ep_group=ep_group,
+                        capacity_factor=ep_capacity_factor, num_chunks=ep_num_chunks,
+                        activation=activation, gate_up_layout=gate_up_layout, b1=b1, b2=b2,
+                        alpha=alpha, limit=limit, fp8_recipe=fp8_recipe, fused=fused,
+                        fp8_weights=fp8_weights)
     if not torch.compiler.is_compiling():
         # Compiled, the ops check these arguments when the graph is built (their fake
         # functions), and the tensors' guards pin what was checked. Traced, these checks put

@@ -93,13 +93,20 @@ class MoEExperts(nn.Module):
     the two weights as (E, H, N1) and (E, I, H) instead. ``fp8_recipe`` runs both grouped GEMMs
     in FP8 (see :func:`compiled_moe.moe_experts`), with forward's ``is_first_microbatch`` as in
     :class:`GroupedLinear`.
+
+    Expert parallelism: with ``ep_group`` (a ProcessGroup of P ranks) ``num_experts`` is the
+    global count E and this module holds rank r's experts [r * E/P, (r+1) * E/P) (parameters
+    of E/P experts); forward takes this rank's tokens with global ids and returns their
+    outputs. ``ep_capacity_factor`` and ``ep_num_chunks`` are moe_experts'; the pairs dropped
+    by the last forward are in ``self.dropped`` (int64 () device tensor).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
                  activation: str = "swiglu", gate_up_layout: str = "stacked", bias: bool = False,
                  weights_transposed: bool = False, alpha: float = GPT_OSS_ALPHA,
                  limit: float = GPT_OSS_LIMIT, fp8_recipe: str | None = None, device=None,
-                 dtype=None):
+                 dtype=None, ep_group=None, ep_capacity_factor: float | None = 1.25,
+                 ep_num_chunks: int | None = None):
         super().__init__()
         # Checked here rather than at the first forward.
         if activation not in ACTIVATIONS:
@@ -112,6 +119,13 @@ class MoEExperts(nn.Module):
         kw = dict(device=device, dtype=dtype)
         n1 = 2 * intermediate_size if activation in GATED_ACTIVATIONS else intermediate_size
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.ep_group, self.ep_capacity_factor, self.ep_num_chunks = ep_group, ep_capacity_factor, ep_num_chunks
+        self.dropped = None
+        if ep_group is not None:
+            from compiled_moe.distributed.dispatch import check_group, check_num_experts
+
+            check_num_experts(num_experts, check_group(ep_group))
+            num_experts //= ep_group.size()  # the experts this rank holds
         self.activation, self.gate_up_layout = activation, gate_up_layout
         self.weights_transposed = weights_transposed
         self.alpha, self.limit = alpha, limit
@@ -137,14 +151,26 @@ class MoEExperts(nn.Module):
         w1, w2 = self.gate_up_proj, self.down_proj
         if self.weights_transposed:
             w1, w2 = w1.transpose(-2, -1), w2.transpose(-2, -1)
-        return moe_experts(hidden, topk_ids, topk_weights, w1, w2, activation=self.activation,
-                           gate_up_layout=self.gate_up_layout, b1=self.gate_up_proj_bias,
-                           b2=self.down_proj_bias, alpha=self.alpha, limit=self.limit,
-                           fp8_recipe=self.fp8_recipe,
-                           fp8_weights=_fp8_weights(self, (w1, w2), is_first_microbatch))
+        out = moe_experts(hidden, topk_ids, topk_weights, w1, w2, activation=self.activation,
+                          gate_up_layout=self.gate_up_layout, b1=self.gate_up_proj_bias,
+                          b2=self.down_proj_bias, alpha=self.alpha, limit=self.limit,
+                          fp8_recipe=self.fp8_recipe,
+                          fp8_weights=_fp8_weights(self, (w1, w2), is_first_microbatch),
+                          **self._ep_kwargs())
+        if self.ep_group is not None:
+            out, self.dropped = out
+        return out
+
+    def _ep_kwargs(self) -> dict:
+        if self.ep_group is None:
+            return {}
+        return dict(ep_group=self.ep_group, ep_capacity_factor=self.ep_capacity_factor,
+                    ep_num_chunks=self.ep_num_chunks)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, activation={self.activation}, "
                 f"gate_up_layout={self.gate_up_layout}, bias={self.gate_up_proj_bias is not None}, "
-                f"weights_transposed={self.weights_transposed}, fp8_recipe={self.fp8_recipe}")
+                f"weights_transposed={self.weights_transposed}, fp8_recipe={self.fp8_recipe}"
+                + (f", ep_size={self.ep_group.size()}, ep_capacity_factor="
+                   f"{self.ep_capacity_factor}" if self.ep_group is not None else ""))
