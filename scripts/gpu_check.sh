@@ -27,6 +27,7 @@ python3 benchmarks/bench_moe_mlp.py --json "$OUT/bench_moe_mlp.json" 2>&1 \
     | tee "$OUT/bench_moe_mlp.log" || status=1
 python3 benchmarks/bench_lowering.py --json "$OUT/bench_lowering.json" 2>&1 \
     | tee "$OUT/bench_lowering.log" || status=1
+python3 benchmarks/bench_ep.py --out "$OUT/bench_ep.json" 2>&1 | tee "$OUT/bench_ep.log" || status=1
 python3 benchmarks/bench_decode.py --json "$OUT/bench_decode.json" 2>&1 \
     | tee "$OUT/bench_decode.log" || status=1
 exit $status
