@@ -218,7 +218,7 @@ def grouped_mm(a, b, offs, bias, out, num_stages=None, skip_past_rows=None, spli
     bias = bias_in_pairs(bias)
     offs = offs.contiguous()
     host = host_layer.cuda_module()
-    if host is not None:  # the C++ launcher: about 5x less host time than the one below
+    if host is not None:  # maps and launches from C++, without ctypes' argument packing
         host.launch_grouped_mm_sm90(a, b, offs, bias, out, plan)
         return
     # Operands as bytes (2 per element): a in 128-row x 128-byte boxes; b in 64 k-rows x 128 bytes

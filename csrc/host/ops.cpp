@@ -320,6 +320,7 @@ struct Decision {
   bool kernel;
   ForwardPlan plan;
 };
+constexpr size_t kMaxDecisions = 8192;
 
 pybind11::object& grouped_mm_decide() {  // kernels/grouped_mm_sm90.py's host_plan
   static pybind11::object* fn = new pybind11::object();
@@ -353,6 +354,7 @@ at::Tensor grouped_mm_device(const at::Tensor& a, const at::Tensor& b, const at:
       pybind11::object p = grouped_mm_decide()(a, b, bias, at::empty({0}, a.options().dtype(out_type)));
       decision = p.is_none() ? Decision{false, {}} : Decision{true, read_plan(p)};
       lock.lock();
+      if (decisions.size() >= kMaxDecisions) decisions.clear();  // prompts of many lengths
       decisions.emplace(key, decision);
     }
   }
