@@ -93,6 +93,9 @@ def build(verbose: bool = False):
     include = cuda_include_dir()
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / f"{_NAME}.so").exists():  # a first import would otherwise pause silently
+        print(f"compiled_moe: building the C++ host layer into {directory} (once per torch "
+              f"version; about 30 s)", file=sys.stderr, flush=True)
     return cpp_extension.load(
         name=_NAME, sources=[str(s) for s in sources()], build_directory=str(directory),
         extra_cflags=["-O2"], extra_include_paths=[include] if include else [],
