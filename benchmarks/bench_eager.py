@@ -31,8 +31,7 @@ import torch
 import compiled_moe as cm
 from compiled_moe import host
 from bench_experts import hf_experts_module, skewed_topk
-from common import MODELS, environment, write_json
-from host_overhead import host_us
+from common import MODELS, environment, host_us, write_json
 
 
 def wall_us(fn, calls=100):

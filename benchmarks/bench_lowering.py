@@ -26,8 +26,7 @@ import torch
 import compiled_moe as cm
 from compiled_moe.ops import routing as routing_ops
 from bench_experts import hf_experts_module, skewed_topk
-from common import MODELS, environment, interleaved, write_json
-from host_overhead import interleaved_us, own_code
+from common import MODELS, environment, interleaved, interleaved_us, own_code, write_json
 
 
 def _hf_problem(shape, tokens_override):

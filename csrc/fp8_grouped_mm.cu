@@ -298,7 +298,7 @@ __device__ __forceinline__ void fp8_blockwise_grouped_mm_body(
     // A group's last tile with 64 rows or fewer left: the second consumer's rows all lie past
     // the group, so it hands the stages back without wgmma or stores (about half the groups
     // under skewed routing end so). The test is made uniform for ptxas (see below). H200,
-    // same process against the kernel without it (benchmarks/ab_csrc.py): 1.04-1.09x on the
+    // same process against the kernel without it (benchmarks/tools/ab_csrc.py): 1.04-1.09x on the
     // Qwen3 and GPT-OSS skewed shapes, 1.026x geometric mean over the 16 forward cases.
     if (__shfl_sync(0xffffffffu, row0 >= tile.row_end, 0)) {
       pass_steps(num_kb, stage, phase, num_stages, full, [&](int s) {

@@ -464,7 +464,7 @@ __device__ __forceinline__ void grouped_mm_fwd(
     for (int i = 0; i < FRAG; ++i) acc[i] = 0.f;
     // The fine-grained training instantiations (SKIP_PAST_ROWS: 256 rows a group or fewer; not
     // split K, which was not measured) keep the k loop rolled; ptxas unrolls it 3 times
-    // otherwise. H200, same process, against the unrolled loop (benchmarks/ab_csrc.py, 3
+    // otherwise. H200, same process, against the unrolled loop (benchmarks/tools/ab_csrc.py, 3
     // rounds, paired): Qwen3 uniform 1.010-1.025x forward and dgrad, skewed fc2 forward 1.024x,
     // GPT-OSS 0.98-1.01x; rolled everywhere, DeepSeek-V3 and Mixtral ran 0.976-1.022x (skewed
     // DeepSeek-V3 0.99x), so they keep the unrolled loop.

@@ -10,7 +10,7 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . || exit 1
 python3 -m pytest -q -m gpu tests "$@" 2>&1 | tee "$OUT/gpu_tests.log"
 status=$?
 python3 -m compiled_moe.demo 2>&1 | tee "$OUT/demo.log" || status=1
-python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host_overhead.log" || status=1
+python3 benchmarks/tools/host_overhead.py 2>&1 | tee "$OUT/host_overhead.log" || status=1
 python3 benchmarks/bench_eager.py --json "$OUT/bench_eager.json" 2>&1 | tee "$OUT/bench_eager.log" || status=1
 python3 benchmarks/bench_grouped_mm.py --json "$OUT/bench_grouped_mm.json" 2>&1 \
     | tee "$OUT/bench_grouped_mm.log" || status=1

@@ -433,7 +433,7 @@ def fp8_blockwise_sm90_config(m: int, n: int, k: int, groups: int) -> TileConfig
 
     BLOCK_N 256 where the groups average 128 rows or more (training shapes): the consumers read
     a from registers and run two 128-column products a step with one buffer of partial
-    products. On the H200, same process against 128 x 128 (`ab_variants.py fp8-forward 1,5
+    products. On the H200, same process against 128 x 128 (`tools/ab_variants.py fp8-forward 1,5
     1,3,256`, outputs bitwise equal): 1.07-1.12x on DeepSeek-V3, Qwen3 (T = 4096) and Mixtral,
     0.99-1.05x on GPT-OSS, geometric mean 1.081x. With fewer rows a group (serving) it loses
     (`--serving`, T = 1-512: 0.68-1.03x below 128 rows a group, where half as many tiles stream
@@ -480,7 +480,7 @@ def grouped_mm_sm90_config(rows: int = 0, groups: int = 1) -> TileConfig:
 
     skip_past_rows: the instantiation whose second consumer skips a group's last tile when
     none of its 64 rows are the group's, where groups average 256 rows or fewer. H200, same
-    process against the other instantiation (benchmarks/ab_variants.py bf16-forward / bf16-dgrad
+    process against the other instantiation (benchmarks/tools/ab_variants.py bf16-forward / bf16-dgrad
     3,0 3,1; two runs): Qwen3 and GPT-OSS skewed (T = 4096: 256 and 128 rows a group)
     1.00-1.08x forward and 1.01-1.08x dgrad, about 1.035x on average; their uniform cases
     (no tile to skip) 0.99-1.02x. Not above 256: DeepSeek-V3 and Mixtral skewed (1024 rows a
@@ -529,7 +529,7 @@ def grouped_mm_sm90_split_k(rows: int, n: int, k: int, groups: int) -> int:
 
 # The FP8 weight gradient claims its tiles at run time (csrc/sm90.cuh, wgrad_tile_order) where
 # its tiles average this many 128-row steps or more, balanced or not. H200, claimed against the
-# fixed order, paired medians of 4 rounds (benchmarks/ab_csrc.py), two runs: DeepSeek-V3 EP8
+# fixed order, paired medians of 4 rounds (benchmarks/tools/ab_csrc.py), two runs: DeepSeek-V3 EP8
 # (1024 rows a group: 8 steps) 1.00-1.07x, Mixtral (2048: 16 steps) 1.00-1.04x; Qwen3 (256
 # rows) 0.96x and GPT-OSS (128) 0.99-1.02x, which keep the fixed order. The bf16 weight
 # gradient claimed lost at every length (0.93-0.97x), so it claims only where unbalanced.

@@ -16,7 +16,7 @@ instance, the bf16 weight gradient takes its per-group tensor maps since 2026-11
 one since 2026-11-27, and wgrad_tile_order the maps' row dimension: an older build's outputs
 then differ and the script stops).
 
-    python benchmarks/ab_csrc.py OLD_DIR [--rounds 4] [--json out.json]
+    python benchmarks/tools/ab_csrc.py OLD_DIR [--rounds 4] [--json out.json]
         [--passes forward dgrad wgrad "fp8 forward" "fp8 wgrad"] [--models Qwen3 ...] [--tokens 8192]
         [--deepgemm]   # DeepGEMM's published grouped shapes (bench_fp8.py) instead
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common, bench_*
 from bench_fp8 import DEEPGEMM_CONTIGUOUS, padded_offsets  # noqa: E402
 from bench_grouped_mm import problem  # noqa: E402
 from common import (MODELS, environment, gmean, offsets, paired_ratio, timed_rounds,  # noqa: E402

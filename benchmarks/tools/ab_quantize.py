@@ -8,7 +8,7 @@ GPU time (best of the rounds' CUDA-graph medians), the fraction of copy bandwidt
 package build's time over this one's, and how many bytes of each output differ from the
 package build's (a build may change the rounding on purpose; 0 everywhere otherwise).
 
-    python benchmarks/ab_quantize.py DIR [DIR ...] [--rounds 3] [--models DeepSeek ...]
+    python benchmarks/tools/ab_quantize.py DIR [DIR ...] [--rounds 3] [--models DeepSeek ...]
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common, bench_*
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/tools/: ab_csrc
 from ab_csrc import kernels_from  # noqa: E402
 from bench_fp8 import padded_offsets  # noqa: E402
 from common import MODELS, bench_graph, timed_rounds, warm_up  # noqa: E402

@@ -15,7 +15,7 @@ optimistic ceiling.
 
 Same process, interleaved rounds, the best median of each contender.
 
-    python benchmarks/bench_ceiling.py --json out.json
+    python benchmarks/tools/bench_ceiling.py --json out.json
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common, bench_*
 from bench_grouped_mm import problem  # noqa: E402
 from common import MODELS, environment, gmean, interleaved, offsets, write_json  # noqa: E402
 

@@ -7,7 +7,7 @@ This prints both: TFLOP/s, the median SM clock, TFLOP/s per GHz, that as a fract
 tensor cores' peak at that clock (132 SMs x 4096 dense bf16 or 8192 FP8 flop per cycle), the
 median power and whether the power cap was holding the clock down.
 
-    python benchmarks/bench_clocks.py [--seconds 3] [--models Qwen3 ...] [--json out.json]
+    python benchmarks/tools/bench_clocks.py [--seconds 3] [--models Qwen3 ...] [--json out.json]
 
 Cases: dense 8192^3 bf16 matmul (cuBLAS); per model shape, uniform routing, fc1 and fc2: bf16
 forward of ours, `torch._grouped_mm` and cuBLAS's batched GEMM on the same problem (uniform
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common, bench_*
 from bench_fp8 import make_fns as fp8_fns  # noqa: E402
 from bench_grouped_mm import problem  # noqa: E402
 from common import MODELS, environment, offsets, warm_up, write_json  # noqa: E402

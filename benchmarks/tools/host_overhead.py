@@ -4,54 +4,23 @@ the opaque CUDA ops are registered: the same op bodies as ``kernel_op`` (what th
 does) against ``torch.library.custom_op``, interleaved rounds in one process; last, a tiny
 moe_mlp training step with the CUDA kernels' ops skipping their callers' checks or not.
 
-    python benchmarks/host_overhead.py
+    python benchmarks/tools/host_overhead.py
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-import types
+import os
+import sys
 from typing import Optional
 
 import torch
 
-import compiled_moe as cm
-from compiled_moe.ops import grouped_mm as grouped_mm_ops
-from compiled_moe.ops import routing as routing_ops
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+from common import host_us, interleaved_us  # noqa: E402
 
-
-def host_us(fn, calls=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return t
-
-
-def interleaved_us(fns: dict, rounds=15, calls=100) -> dict:
-    """Host us per call of each function: (median, min, max) over interleaved rounds, so drifts
-    of the host (tens of percent between processes and over minutes) hit every variant alike.
-
-    Short rounds: a variant whose GPU time exceeded its host time could otherwise fill the
-    driver's queue of pending launches and run at the GPU's pace, timing the GPU instead."""
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(host_us(fn, calls))
-    return {name: (statistics.median(t), min(t), max(t)) for name, t in times.items()}
-
-
-def own_code(fn, tag: str):
-    """A copy of fn with its own code object. Dynamo keeps compiled code per code object, so
-    variants compiled from copies keep their graphs side by side without torch._dynamo.reset()
-    (which drops every compiled graph: the next call would recompile)."""
-    return types.FunctionType(fn.__code__.replace(co_name=f"{fn.__name__}_{tag}"), fn.__globals__,
-                              fn.__name__, fn.__defaults__, fn.__closure__)
+import compiled_moe as cm  # noqa: E402
+from compiled_moe.ops import grouped_mm as grouped_mm_ops  # noqa: E402
+from compiled_moe.ops import routing as routing_ops  # noqa: E402
 
 
 def main():

@@ -3,12 +3,12 @@ kernels/configs.py). Every model shape x {uniform, skewed} x {fc1, fc2}; variant
 interleaved rounds (best of the rounds' medians), outputs compared bitwise with the first
 variant's; `torch._grouped_mm` is timed beside the bf16 ones.
 
-    python benchmarks/ab_variants.py fp8-forward 1,5 2,5 1,6 1,3,256   # cluster,stages[,block_n]
-    python benchmarks/ab_variants.py fp8-wgrad 4 3 5               # stages
-    python benchmarks/ab_variants.py bf16-forward 3,0 3,1          # stages,skip_past_rows
-    python benchmarks/ab_variants.py bf16-dgrad 3,0 3,1 --models Qwen3 --tokens 8192
-    python benchmarks/ab_variants.py bf16-wgrad 3 2                     # stages
-    python benchmarks/ab_variants.py fp8-forward 1,5 2,5 --serving --models Mixtral
+    python benchmarks/tools/ab_variants.py fp8-forward 1,5 2,5 1,6 1,3,256   # cluster,stages[,block_n]
+    python benchmarks/tools/ab_variants.py fp8-wgrad 4 3 5               # stages
+    python benchmarks/tools/ab_variants.py bf16-forward 3,0 3,1          # stages,skip_past_rows
+    python benchmarks/tools/ab_variants.py bf16-dgrad 3,0 3,1 --models Qwen3 --tokens 8192
+    python benchmarks/tools/ab_variants.py bf16-wgrad 3 2                     # stages
+    python benchmarks/tools/ab_variants.py fp8-forward 1,5 2,5 --serving --models Mixtral
 
 --serving: the forward passes at bench_decode's serving shapes instead (T = 1, 8, 32, 128, 512,
 or --tokens; skewed top-k routing), timed by CUDA-graph replay with the L2 flushed.
@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common, bench_*
 from bench_fp8 import padded_offsets, problem  # noqa: E402
 from common import MODELS, gmean, graph_of, interleaved, offsets  # noqa: E402
 
