@@ -9,6 +9,9 @@ Same process, same inputs. Two tables:
          against Hugging Face's grouped_mm experts backend, wall time per call (host and GPU
          together, as a decoding model sees it), and forward+backward.
 
+  fp8:   the eager experts block's forward+backward with fp8_blockwise GEMMs against the same
+         block in bf16, at the four model shapes (T from common.MODELS, skewed routing, weights
+         quantized in every call, as a training step without weight caching does).
   generate: Hugging Face generate() tokens/s (eager, greedy) on an 8-layer Qwen3-MoE-shaped
          model (random weights, bf16), experts_implementation "compiled_moe" against
          "grouped_mm" and "eager", batch 1 and 8.
@@ -113,6 +116,32 @@ def block_rows(tokens_list):
     return rows
 
 
+def fp8_rows():
+    rows = []
+    print("eager experts block forward+backward, fp8_blockwise against bf16 (ms per step, wall)")
+    for shape in MODELS:
+        torch.manual_seed(0)
+        E, H, inter, T = shape.experts, shape.hidden, shape.inter, shape.tokens
+        w1 = (torch.randn(E, 2 * inter, H, device="cuda") * H ** -0.5).bfloat16().requires_grad_()
+        w2 = (torch.randn(E, H, inter, device="cuda") * inter ** -0.5).bfloat16().requires_grad_()
+        hidden = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        ids, weights = skewed_topk(T, E, shape.top_k)
+        weights = weights.bfloat16()
+        dy = torch.randn_like(hidden)
+
+        def step(recipe):
+            return lambda: cm.moe_experts(hidden, ids, weights, w1, w2, fp8_recipe=recipe).backward(dy)
+
+        ms = interleaved_medians({"bf16": step(None), "fp8": step("fp8_blockwise")},
+                                 lambda fn: wall_us(fn, calls=10) / 1e3, rounds=5)
+        print(f"  {shape.name:16s} T={T}: bf16 {ms['bf16']:7.3f} fp8 {ms['fp8']:7.3f} "
+              f"({ms['bf16'] / ms['fp8']:.2f}x)")
+        rows.append(dict(table="fp8", model=shape.name, tokens=T, bf16_ms=ms["bf16"], fp8_ms=ms["fp8"]))
+        del w1, w2, hidden
+        torch.cuda.empty_cache()
+    return rows
+
+
 def generate_rows(batches=(1, 8), new_tokens=64, layers=8):
     import compiled_moe.integrations.transformers  # noqa: F401 (registers "compiled_moe")
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -148,7 +177,7 @@ def generate_rows(batches=(1, 8), new_tokens=64, layers=8):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 512])
-    parser.add_argument("--tables", nargs="+", default=["ops", "block", "generate"])
+    parser.add_argument("--tables", nargs="+", default=["ops", "block", "fp8", "generate"])
     parser.add_argument("--json")
     args = parser.parse_args()
     rows = []
@@ -156,6 +185,8 @@ def main():
         rows += op_rows()
     if "block" in args.tables:
         rows += block_rows(args.tokens)
+    if "fp8" in args.tables:
+        rows += fp8_rows()
     if "generate" in args.tables:
         rows += generate_rows()
     if args.json:
