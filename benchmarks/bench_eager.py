@@ -142,7 +142,7 @@ def fp8_rows():
     return rows
 
 
-def generate_rows(batches=(1, 8), new_tokens=64, layers=8):
+def generate_rows(batches=(1, 8), new_tokens=64, layers=8, profile=False):
     import compiled_moe.integrations.transformers  # noqa: F401 (registers "compiled_moe")
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -167,6 +167,15 @@ def generate_rows(batches=(1, 8), new_tokens=64, layers=8):
             outputs[impl] = run()
             torch.cuda.synchronize()
             rates[impl] = batch * new_tokens / (time.perf_counter() - t0)
+        if profile:  # where a decode step's host and GPU time go, per implementation
+            for impl in ("compiled_moe", "grouped_mm"):
+                model.set_experts_implementation(impl)
+                acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                with torch.profiler.profile(activities=acts) as prof:
+                    model.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                   pad_token_id=0)
+                print(f"  profile, {impl}, batch {batch}, 16 new tokens:")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
         print(f"  batch {batch}: compiled_moe {rates['compiled_moe']:7.1f} | grouped_mm {rates['grouped_mm']:7.1f} "
               f"({rates['compiled_moe'] / rates['grouped_mm']:.2f}x) | eager {rates['eager']:7.1f} "
               f"({rates['compiled_moe'] / rates['eager']:.2f}x)")
@@ -178,6 +187,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 512])
     parser.add_argument("--tables", nargs="+", default=["ops", "block", "fp8", "generate"])
+    parser.add_argument("--profile", action="store_true",
+                        help="generate: also print torch.profiler's top host-time ops per implementation")
     parser.add_argument("--json")
     args = parser.parse_args()
     rows = []
@@ -188,7 +199,7 @@ def main():
     if "fp8" in args.tables:
         rows += fp8_rows()
     if "generate" in args.tables:
-        rows += generate_rows()
+        rows += generate_rows(profile=args.profile)
     if args.json:
         write_json(args.json, dict(environment=environment(), host_layer=host.cuda_module() is not None,
                                    COMPILED_MOE_HOST=os.environ.get("COMPILED_MOE_HOST"), rows=rows))
