@@ -38,15 +38,7 @@ from common import MODELS, environment, host_us, write_json
 
 
 def wall_us(fn, calls=100):
-    """Per call, synchronised at the end only: host and GPU time as a decode loop sees them."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
+    return host_us(fn, calls, wall=True)
 
 
 def interleaved_medians(fns: dict, timer, rounds=9) -> dict:
