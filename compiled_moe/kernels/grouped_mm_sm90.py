@@ -215,12 +215,12 @@ def grouped_mm(a, b, offs, bias, out, num_stages=None, skip_past_rows=None, spli
     G, _, N = b.shape
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
     plan = forward_plan(M, N, K, G, a.dtype, _b_n_major(b), dev, num_stages, skip_past_rows, splits)
-    bias = bias_in_pairs(bias)
-    offs = offs.contiguous()
     host = host_layer.cuda_module()
     if host is not None:  # maps and launches from C++, without ctypes' argument packing
-        host.launch_grouped_mm_sm90(a, b, offs, bias, out, plan)
+        host.launch_grouped_mm_sm90(a, b, offs, bias, out, plan)  # it pairs bias, makes offs contiguous
         return
+    bias = bias_in_pairs(bias)
+    offs = offs.contiguous()
     # Operands as bytes (2 per element): a in 128-row x 128-byte boxes; b in 64 k-rows x 128 bytes
     # of n (N-major) or 256 n-rows x 128 bytes of k (K-major); out in 64 x 64-element boxes.
     # (csrc/host/ops.cpp's launch_grouped_mm_sm90 builds the same maps.)

@@ -291,7 +291,8 @@ void launch_grouped_mm_sm90(const at::Tensor& a, const at::Tensor& b, const at::
   void* bias_ptr = bias_t.defined() ? bias_t.data_ptr() : nullptr;
   int32_t bias_kind = bias_t.defined() ? out_kind(bias_t.scalar_type()) : -1;
   int64_t bias_stride = bias_t.defined() ? bias_t.stride(0) : 0;
-  void* offs_ptr = offs.data_ptr();
+  const at::Tensor offs_c = offs.contiguous();  // the kernel reads offs[g] at offs + g
+  void* offs_ptr = offs_c.data_ptr();
   int32_t m = M, n = N, k = K, g = G, stages = plan.num_stages, splits = plan.max_splits,
           forced = plan.forced_splits;
   void* partial_ptr = partial.defined() ? partial.data_ptr() : nullptr;
