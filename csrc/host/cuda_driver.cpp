@@ -28,13 +28,13 @@ struct Driver {
 template <typename F>
 void load(void* lib, F& fn, const char* name) {
   fn = reinterpret_cast<F>(dlsym(lib, name));
-  TORCH_CHECK(fn != nullptr, "compiled_moe: libcuda has no ", name);
+  TORCH_CHECK(fn != nullptr, cat("compiled_moe: libcuda has no ", name));
 }
 
 const Driver& driver() {
   static const Driver d = [] {
     void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-    TORCH_CHECK(lib != nullptr, "compiled_moe: cannot load libcuda.so.1 (", dlerror(), ")");
+    TORCH_CHECK(lib != nullptr, cat("compiled_moe: cannot load libcuda.so.1 (", dlerror(), ")"));
     Driver d;
     load(lib, d.get_error_name, CM_SYMBOL(cuGetErrorName));
     load(lib, d.primary_ctx_retain, CM_SYMBOL(cuDevicePrimaryCtxRetain));
@@ -69,12 +69,12 @@ void check_cuda(CUresult result, const char* what) {
   if (result == CUDA_SUCCESS) return;
   const char* name = "unknown error";
   if (driver().get_error_name != nullptr) driver().get_error_name(result, &name);
-  TORCH_CHECK(false, "compiled_moe: ", what, " failed (", name, ": ", static_cast<int>(result), ")");
+  TORCH_CHECK(false, cat("compiled_moe: ", what, " failed (", name, ": ", static_cast<int>(result), ")"));
 }
 
 void ensure_context(int device) {
   thread_local std::bitset<64> done;
-  TORCH_CHECK(device >= 0 && device < 64, "compiled_moe: device index ", device, " out of range");
+  TORCH_CHECK(device >= 0 && device < 64, cat("compiled_moe: device index ", device, " out of range"));
   if (done.test(device)) return;
   CUcontext ctx = nullptr;
   check_cuda(driver().primary_ctx_retain(&ctx, device), "cuDevicePrimaryCtxRetain");

@@ -34,9 +34,7 @@ namespace {
 //
 // A failed check sets the Python exception itself and throws torch's python_error, which the
 // dispatcher's Python boundary turns back into that exception (as for a Python kernel's
-// error). No c10::Error is built here: on the H200 image (torch 2.11, Python 3.12) a second
-// c10::ValueError thrown from this extension in one process crashed it (a pytest run; it did
-// not reproduce with torch 2.11 on another machine, the cause is not known).
+// error). Messages are built with cat (cuda_driver.h), never c10::str: see there.
 [[noreturn]] void raise_python(PyObject* type, const std::string& message) {
   pybind11::gil_scoped_acquire gil;
   PyErr_SetString(type, message.c_str());
@@ -47,11 +45,11 @@ namespace {
 
 #define CM_CHECK_VALUE(cond, ...) \
   do {                            \
-    if (C10_UNLIKELY(!(cond))) raise_python(PyExc_ValueError, c10::str(__VA_ARGS__)); \
+    if (C10_UNLIKELY(!(cond))) raise_python(PyExc_ValueError, cat(__VA_ARGS__)); \
   } while (0)
 #define CM_CHECK_TYPE(cond, ...) \
   do {                           \
-    if (C10_UNLIKELY(!(cond))) raise_python(PyExc_TypeError, c10::str(__VA_ARGS__)); \
+    if (C10_UNLIKELY(!(cond))) raise_python(PyExc_TypeError, cat(__VA_ARGS__)); \
   } while (0)
 
 std::string dtype_name(c10::ScalarType t) {
