@@ -11,7 +11,9 @@ Same process, same inputs. Two tables:
 
   fp8:   the eager experts block's forward+backward with fp8_blockwise GEMMs against the same
          block in bf16, at the four model shapes (T from common.MODELS, skewed routing, weights
-         quantized in every call, as a training step without weight caching does).
+         quantized in every call, as a training step without weight caching does); wall time,
+         and the GPU's kernel time per step (torch.profiler), which says whether the host or
+         the GPU holds the step back.
   generate: Hugging Face generate() tokens/s (eager, greedy) on an 8-layer Qwen3-MoE-shaped
          model (random weights, bf16), experts_implementation "compiled_moe" against
          "grouped_mm" and "eager", batch 1 and 8.
@@ -34,7 +36,7 @@ import torch
 import compiled_moe as cm
 from compiled_moe import host
 from bench_experts import hf_experts_module, skewed_topk
-from common import MODELS, environment, host_us, write_json
+from common import MODELS, environment, gpu_us, host_us, write_json
 
 
 def wall_us(fn, calls=100):
@@ -108,9 +110,11 @@ def block_rows(tokens_list):
     return rows
 
 
-def fp8_rows():
+def fp8_rows(profile=False):
     rows = []
-    print("eager experts block forward+backward, fp8_blockwise against bf16 (ms per step, wall)")
+    print("eager experts block forward+backward, fp8_blockwise against bf16: ms per step, wall and "
+          "GPU kernel time; fp8 quantizes the weights in each step, fp8 cached takes them from "
+          "quantize_weight (once per optimizer step, shared by micro-batches)")
     for shape in MODELS:
         torch.manual_seed(0)
         E, H, inter, T = shape.experts, shape.hidden, shape.inter, shape.tokens
@@ -120,21 +124,35 @@ def fp8_rows():
         ids, weights = skewed_topk(T, E, shape.top_k)
         weights = weights.bfloat16()
         dy = torch.randn_like(hidden)
-
-        def step(recipe):
-            return lambda: cm.moe_experts(hidden, ids, weights, w1, w2, fp8_recipe=recipe).backward(dy)
-
-        ms = interleaved_medians({"bf16": step(None), "fp8": step("fp8_blockwise")},
-                                 lambda fn: wall_us(fn, calls=10) / 1e3, rounds=5)
-        print(f"  {shape.name:16s} T={T}: bf16 {ms['bf16']:7.3f} fp8 {ms['fp8']:7.3f} "
-              f"({ms['bf16'] / ms['fp8']:.2f}x)")
-        rows.append(dict(table="fp8", model=shape.name, tokens=T, bf16_ms=ms["bf16"], fp8_ms=ms["fp8"]))
-        del w1, w2, hidden
+        cached = (cm.quantize_weight(w1), cm.quantize_weight(w2))
+        steps = {
+            "bf16": lambda: cm.moe_experts(hidden, ids, weights, w1, w2).backward(dy),
+            "fp8": lambda: cm.moe_experts(hidden, ids, weights, w1, w2,
+                                          fp8_recipe="fp8_blockwise").backward(dy),
+            "fp8 cached": lambda: cm.moe_experts(hidden, ids, weights, w1, w2, fp8_recipe="fp8_blockwise",
+                                                 fp8_weights=cached).backward(dy)}
+        ms = interleaved_medians(steps, lambda fn: wall_us(fn, calls=10) / 1e3, rounds=5)
+        gpu = {name: gpu_us(fn) / 1e3 for name, fn in steps.items()}
+        print(f"  {shape.name:16s} T={T}: " + " | ".join(
+            f"{name} {ms[name]:6.3f} (GPU {gpu[name]:6.3f})" + (
+                "" if name == "bf16" else f" {ms['bf16'] / ms[name]:.2f}x") for name in steps))
+        rows.append(dict(table="fp8", model=shape.name, tokens=T,
+                         **{f"{name.replace(' ', '_')}_ms": ms[name] for name in steps},
+                         **{f"{name.replace(' ', '_')}_gpu_ms": gpu[name] for name in steps}))
+        if profile and ms["fp8"] > ms["bf16"]:  # which kernels make FP8's GPU time
+            for name in ("bf16", "fp8"):
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    steps[name]()
+                    torch.cuda.synchronize()
+                print(f"  kernels of one {name} step, {shape.name}:")
+                print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12,
+                                                max_name_column_width=70))
+        del w1, w2, hidden, cached
         torch.cuda.empty_cache()
     return rows
 
 
-def generate_rows(batches=(1, 8), new_tokens=64, layers=8, profile=False):
+def generate_rows(batches=(1, 8), new_tokens=64, layers=8, rounds=3, profile=False):
     import compiled_moe.integrations.transformers  # noqa: F401 (registers "compiled_moe")
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -148,17 +166,21 @@ def generate_rows(batches=(1, 8), new_tokens=64, layers=8, profile=False):
     print(f"generate() tokens/s, {layers}-layer Qwen3-MoE-shaped model, {new_tokens} new tokens, greedy")
     for batch in batches:
         prompt = torch.randint(0, cfg.vocab_size, (batch, 16), device="cuda")
-        rates, outputs = {}, {}
-        for impl in ("compiled_moe", "grouped_mm", "eager"):
-            model.set_experts_implementation(impl)
-            run = lambda: model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,  # noqa: E731
-                                         do_sample=False, pad_token_id=0)
-            run()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            outputs[impl] = run()
-            torch.cuda.synchronize()
-            rates[impl] = batch * new_tokens / (time.perf_counter() - t0)
+        impls = ["compiled_moe", "grouped_mm", "eager"]
+        samples = {impl: [] for impl in impls}
+        for r in range(rounds):  # interleaved, the order turning each round; medians
+            for impl in (impls if r % 2 == 0 else impls[::-1]):
+                model.set_experts_implementation(impl)
+                run = lambda: model.generate(prompt, max_new_tokens=new_tokens,  # noqa: E731
+                                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+                if r == 0:
+                    run()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                run()
+                torch.cuda.synchronize()
+                samples[impl].append(batch * new_tokens / (time.perf_counter() - t0))
+        rates = {impl: statistics.median(v) for impl, v in samples.items()}
         if profile:  # where a decode step's host and GPU time go, per implementation
             for impl in ("compiled_moe", "grouped_mm"):
                 model.set_experts_implementation(impl)
@@ -180,7 +202,8 @@ def main():
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 512])
     parser.add_argument("--tables", nargs="+", default=["ops", "block", "fp8", "generate"])
     parser.add_argument("--profile", action="store_true",
-                        help="generate: also print torch.profiler's top host-time ops per implementation")
+                        help="fp8: the kernels of a step where FP8 is slower; generate: torch.profiler's "
+                             "top host-time ops per implementation")
     parser.add_argument("--json")
     args = parser.parse_args()
     rows = []
@@ -189,7 +212,7 @@ def main():
     if "block" in args.tables:
         rows += block_rows(args.tokens)
     if "fp8" in args.tables:
-        rows += fp8_rows()
+        rows += fp8_rows(profile=args.profile)
     if "generate" in args.tables:
         rows += generate_rows(profile=args.profile)
     if args.json:

@@ -168,6 +168,20 @@ def host_us(fn, calls=300, wall=False):
     return t
 
 
+def gpu_us(fn, calls=10) -> float:
+    """GPU kernel time per call: the sum of the device time of every kernel fn launches
+    (torch.profiler), whatever the host does between them. Beside a wall time it tells whether
+    the host or the GPU holds a step back."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(e.self_device_time_total for e in prof.key_averages())
+    return total / calls
+
+
 def interleaved_us(fns: dict, rounds=15, calls=100) -> dict:
     """Host us per call of each function: (median, min, max) over interleaved rounds, so drifts
     of the host (tens of percent between processes and over minutes) hit every variant alike.
