@@ -15,6 +15,11 @@ alone in GB/s beside NCCL all_to_all_single of the same bytes; the overlap targe
 EP step <= single-GPU block + 0.5 x exchanges alone.
 
 JSON goes to --out (default benchmarks/bench_ep.json); the table prints last, on rank 0.
+
+``--device cpu`` runs the same script over gloo at small shapes (``--tokens 64``): no figure of
+it means anything, it checks the script's logic where no GPU is (the CPU test tier runs it with
+one and two processes). Every run first checks that the torchtitan-style composition and the
+EP block's exact mode give the same outputs, so the peer being timed computes the same thing.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -40,28 +46,41 @@ SHAPES = {  # name: (experts per rank, hidden, inter)
     "Qwen3-30B-A3B": (None, 2048, 768),  # E = 128 over one GPU, 64 per rank over N
     "DeepSeek-V3": (32, 7168, 2048),
 }
+CPU_SHAPES = {"Qwen3-30B-A3B": (None, 64, 32), "DeepSeek-V3": (8, 128, 64)}  # --device cpu (E = 16)
 TOP_K = 8
 
 
-def init() -> tuple[int, int]:
-    if "RANK" in os.environ:  # torchrun
-        local = int(os.environ.get("LOCAL_RANK", 0))
+def init(device_type: str) -> tuple[int, int, torch.device]:
+    """NCCL on GPUs (one per rank), gloo on CPU; torchrun's environment or one process."""
+    cuda = device_type == "cuda"
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    kw = dict(device_id=device) if cuda else {}
+    if cuda:
         torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    backend = "nccl" if cuda else "gloo"
+    if "RANK" in os.environ:  # torchrun
+        dist.init_process_group(backend, **kw)
     else:
-        torch.cuda.set_device(0)
         path = tempfile.mktemp(prefix="bench_ep_")
-        dist.init_process_group("nccl", store=dist.FileStore(path, 1), rank=0, world_size=1,
-                                device_id=torch.device("cuda", 0))
-    return dist.get_rank(), dist.get_world_size()
+        dist.init_process_group(backend, store=dist.FileStore(path, 1), rank=0, world_size=1, **kw)
+    return dist.get_rank(), dist.get_world_size(), device
 
 
 def timed(fn, reps: int) -> float:
-    """Median ms over reps calls, CUDA events around each; every rank makes the same calls
-    (do_bench picks its repeat count from a first estimate, which could differ between ranks
-    and leave a collective without its peer)."""
+    """Median ms over reps calls, CUDA events around each (a wall clock on CPU); every rank
+    makes the same calls (do_bench picks its repeat count from a first estimate, which could
+    differ between ranks and leave a collective without its peer)."""
     for _ in range(3):
         fn()
+    if dist.get_backend() != "nccl":
+        dist.barrier()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
     torch.cuda.synchronize()
     dist.barrier()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -72,6 +91,18 @@ def timed(fn, reps: int) -> float:
         end.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def check_peer(group, x, num_experts) -> None:
+    """The torchtitan-style composition and the EP block (exact mode, no drops) agree."""
+    args = (x["hidden"], x["topk_ids"], x["topk_weights"], x["w1"], x["w2"])
+    with torch.no_grad():
+        ours = ep(group, capacity_factor=None, num_chunks=1)(*args)[0].float()
+        peer = titan_style(group, num_experts)(*args).float()
+    err = (ours - peer).abs().max().item() / max(peer.abs().max().item(), 1e-6)
+    if err > 2e-2:
+        raise AssertionError(f"the torchtitan-style composition differs from the EP block: "
+                             f"max error {err:.3g} of the largest output")
 
 
 def routing(tokens: int, experts: int, seed: int, device):
@@ -170,11 +201,14 @@ def main():
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "bench_ep.json"))
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: gloo at small shapes, a check of the script (no figures)")
     args = parser.parse_args()
-    rank, world = init()
-    device = torch.device("cuda", torch.cuda.current_device())
+    rank, world, device = init(args.device)
+    shapes = SHAPES if device.type == "cuda" else CPU_SHAPES
     group = dist.group.WORLD
-    common.warm_up(2.0)
+    if device.type == "cuda":
+        common.warm_up(2.0)
     f, T = args.capacity_factor, args.tokens
     results, table = [], []
 
@@ -186,9 +220,10 @@ def main():
         table.append(row)
 
     if world == 1:  # (a) the machinery at a group of one, Qwen3-30B-A3B
-        _, H, I = SHAPES["Qwen3-30B-A3B"]
-        E = 128
+        _, H, I = shapes["Qwen3-30B-A3B"]
+        E = 128 if device.type == "cuda" else 16
         x = leaves(T, E, H, I, E, 0, device)
+        check_peer(group, x, E)
         plain = timed(fwd_bwd(cm.moe_experts, x), args.reps)
         record("a", "Qwen3-30B-A3B", "plain block (moe_experts)", plain)
         variants = {
@@ -207,10 +242,11 @@ def main():
             record("a", "Qwen3-30B-A3B", name, timed(fwd_bwd(block, x), args.reps), plain)
     else:  # (b) EP over the ranks
         for shape in args.shapes.split(","):
-            per_rank, H, I = SHAPES[shape]
-            per_rank = per_rank or 128 // world
+            per_rank, H, I = shapes[shape]
+            per_rank = per_rank or (128 if device.type == "cuda" else 16) // world
             E = per_rank * world
             x = leaves(T, per_rank, H, I, E, 10 + rank, device)
+            check_peer(group, x, E)
             # The single-GPU block on the same per-rank work: T tokens over this rank's experts.
             local = dict(x, topk_ids=routing(T, per_rank, 20 + rank, device)[0])
             single = timed(fwd_bwd(cm.moe_experts, local), args.reps)
@@ -240,7 +276,7 @@ def main():
                        capacity_factor=f, top_k=TOP_K, results=results,
                        command=" ".join(sys.argv))
         common.write_json(args.out, payload)
-        print(f"\nexpert parallelism, {world} GPU(s), T={T} per rank, top-{TOP_K}, bf16, "
+        print(f"\nexpert parallelism, {world} rank(s) on {device.type}, T={T} per rank, top-{TOP_K}, bf16, "
               f"forward+backward, median ms ({args.out})")
         print(f"{'part':4} {'shape':15} {'variant':56} {'ms':>8} {'ratio':>6} {'extra':>18}")
         for r in table:

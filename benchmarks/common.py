@@ -135,11 +135,11 @@ def gmean(values) -> float:
 def environment() -> dict:
     import triton
 
-    props = torch.cuda.get_device_properties(0)
+    props = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
     return {
         "date": time.strftime("%Y-%m-%d"),
-        "gpu": props.name,
-        "sms": props.multi_processor_count,
+        "gpu": props.name if props else None,
+        "sms": props.multi_processor_count if props else None,
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),

@@ -73,3 +73,32 @@ def test_compiled_one_graph(pool):
     if pool.world_size > 2:
         pytest.skip("compiled once, on 2 ranks (time)")
     pool.run("compiled_one_graph")
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_benchmark_script_runs(ranks, tmp_path):
+    """benchmarks/bench_ep.py, the script the GPU runs use (one process, torchrun over two),
+    runs end to end over gloo at small shapes: its peer composition agrees with the EP block
+    (the script checks it first) and it writes every row of its table."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "bench_ep.json"
+    script = [os.path.join(root, "benchmarks", "bench_ep.py"), "--device", "cpu", "--tokens", "32",
+              "--reps", "1", "--chunks", "1,2", "--out", str(out)]
+    launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, *launcher, *script], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    names = {r["name"] for r in rows}
+    if ranks == 1:
+        assert {r["part"] for r in rows} == {"a"} and "plain block (moe_experts)" in names
+    else:
+        assert {r["shape"] for r in rows} == {"Qwen3-30B-A3B", "DeepSeek-V3"}
+        assert {"torchtitan-style (splits to host, _grouped_mm)", "EP sync-free f=1.25 N=2",
+                "NCCL all_to_all_single x4, same bytes"} <= names
