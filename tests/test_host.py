@@ -35,6 +35,10 @@ def test_registrations_and_schema():
     assert _registered_in_cpp("grouped_mm", "Autograd")
     assert _registered_in_cpp("grouped_mm", "CUDA") == host.module().has_cuda
     assert not _registered_in_cpp("grouped_mm", "CPU")  # the reference stays the CPU path
+    # The weight gradient: its CUDA kernel only; its autograd formula and CPU path are Python's.
+    assert _registered_in_cpp("grouped_mm_wgrad", "CUDA") == host.module().has_cuda
+    assert not _registered_in_cpp("grouped_mm_wgrad", "Autograd")
+    assert "Autograd" in torch._C._dispatch_dump("compiled_moe::grouped_mm_wgrad")
     assert str(torch.ops.compiled_moe.grouped_mm.default._schema) == (
         "compiled_moe::grouped_mm(Tensor a, Tensor b, Tensor offs, Tensor? bias=None, "
         "ScalarType? out_dtype=None) -> Tensor")
@@ -72,6 +76,41 @@ def test_errors_are_the_python_checks(case):
         torch.ops.compiled_moe.grouped_mm(*args)
     assert type(cpp_error.value) is type(python_error.value)
     assert str(cpp_error.value) == str(python_error.value)
+
+
+def _bad_wgrad_calls():
+    a = torch.randn(10, 8)
+    g = torch.randn(10, 6)
+    offs = torch.tensor([3, 3, 9], dtype=torch.int32)
+    return {
+        "a 1-D": (a[0], g, offs, None),
+        "grad_out 3-D": (a, g[None], offs, None),
+        "a int": (a.int(), g, offs, None),
+        "dtypes differ": (a, g.double(), offs, None),
+        "offs int64": (a, g, offs.long(), None),
+        "offs 2-D": (a, g, offs[None], None),
+        "no groups": (a, g, offs[:0], None),
+        "rows differ": (a, g[:9], offs, None),
+        "out_dtype": (a, g, offs, torch.int8),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_wgrad_calls()))
+def test_wgrad_errors_are_the_python_checks(case):
+    """grouped_mm_wgrad's C++ checks (its CUDA kernel makes them) raise the Python checks'
+    exception types and messages, word for word; run here without a GPU."""
+    from compiled_moe.ops._dispatch import check_out_dtype
+
+    a, g, offs, out_dtype = _bad_wgrad_calls()[case]
+    with pytest.raises((TypeError, ValueError)) as python_error:
+        grouped_mm_ops._check_wgrad(a, g, offs)
+        check_out_dtype(out_dtype)
+    with pytest.raises((TypeError, ValueError)) as cpp_error:
+        host.module().check_grouped_mm_wgrad(a, g, offs, out_dtype)
+    assert type(cpp_error.value) is type(python_error.value)
+    assert str(cpp_error.value) == str(python_error.value)
+    good = (torch.randn(10, 8), torch.randn(10, 6), torch.tensor([3, 3, 9], dtype=torch.int32), None)
+    host.module().check_grouped_mm_wgrad(*good)  # good arguments pass
 
 
 @pytest.mark.parametrize("transposed", [True, False])

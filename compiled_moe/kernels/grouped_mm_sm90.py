@@ -138,19 +138,56 @@ def grouped_mm_wgrad(a, grad_out, offs, out, accumulate: bool, accumulate_mask,
     if P == 0 or Q == 0 or G == 0:
         return
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    cfg = grouped_mm_wgrad_sm90_config()
-    num_stages = min(num_stages or cfg.num_stages, _MAX_STAGES)
-    tiles_per_group = -(-P // 128) * -(-Q // 256)
+    grid, tiles_per_group, num_stages = _wgrad_launch_sizes(P, Q, G, dev, num_stages)
     offs = offs.contiguous()
     i32, i64 = native.int32, native.int64
     launch_wgrad(
-        "grouped_mm", _WGRAD_KERNELS[a.dtype], min(_num_sms(dev), G * tiles_per_group),
+        "grouped_mm", _WGRAD_KERNELS[a.dtype], grid,
         _shared_bytes(num_stages), offs, M, G, tiles_per_group, 64, 0, 1, dev,
         _map(a), _map(grad_out), _out_map(out),
         i32(_OUT_KINDS[out.dtype]), i32(int(accumulate)),
         accumulate_mask if accumulate_mask is not None else i64(0),  # null: every group adds
         offs, i32(M), i32(P), i32(Q), i32(G), i32(num_stages),
     )
+
+
+def _wgrad_launch_sizes(P: int, Q: int, G: int, dev: int, num_stages=None) -> tuple[int, int, int]:
+    """(grid, tiles per group, pipeline stages) of a (G, P, Q) weight gradient: 128 x 256
+    tiles, one persistent block per SM at most."""
+    num_stages = min(num_stages or grouped_mm_wgrad_sm90_config().num_stages, _MAX_STAGES)
+    tiles_per_group = -(-P // 128) * -(-Q // 256)
+    return min(_num_sms(dev), G * tiles_per_group), tiles_per_group, num_stages
+
+
+class WgradPlan(NamedTuple):
+    """What the C++ host layer's weight-gradient launch needs beyond its tensors (the kernels
+    of launch_wgrad as driver handles, their sizes), asked once per shape."""
+    function: int          # grouped_mm_wgrad_{bf16,f16}
+    claimed: int           # its _claimed twin (tiles claimed at run time)
+    tile_order: int        # wgrad_tile_order
+    grid: int
+    shared_bytes: int
+    num_stages: int
+    tiles_per_group: int
+
+
+@functools.lru_cache(maxsize=4096)
+def wgrad_plan(P: int, Q: int, G: int, dtype: torch.dtype, dev: int) -> WgradPlan:
+    grid, tiles_per_group, num_stages = _wgrad_launch_sizes(P, Q, G, dev)
+
+    def handle(name):
+        return native.function_handle(native.kernel("grouped_mm", name, dev), dev)
+    name = _WGRAD_KERNELS[dtype]
+    return WgradPlan(handle(name), handle(name + "_claimed"), handle("wgrad_tile_order"), grid,
+                     _shared_bytes(num_stages), num_stages, tiles_per_group)
+
+
+def host_wgrad_plan(a, grad_out, out):
+    """The C++ host layer's question on its first grouped_mm_wgrad call at a shape (out: the
+    fresh (G, P, Q) output): the plan where the Hopper kernel applies, else None."""
+    if not wgrad_supported(a, grad_out, out.dtype, out):
+        return None
+    return wgrad_plan(a.shape[1], grad_out.shape[1], out.shape[0], a.dtype, a.device.index)
 
 
 def bias_in_pairs(bias):

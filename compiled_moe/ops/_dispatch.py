@@ -77,7 +77,7 @@ class KernelOp:
 
     def __init__(self, name: str, body, device_types=("cuda",), unchecked=None):
         self.qualname, self._body = f"compiled_moe::{name}", body
-        self.host_kernels = None  # the C++ host layer's module where it registered kernels
+        self.host_keys = frozenset()  # dispatch keys whose kernels the C++ host layer registered
         self.device_types = device_types
         self._kernel = _launching_triton_directly(body)
         self._unchecked = (self._kernel if unchecked is None
@@ -95,7 +95,7 @@ class KernelOp:
         """The op's autograd formula, as custom_op's register_autograd (for ops registered with
         autograd="formula"). Where the C++ host layer registered the op's kernels, its C++ copy
         of the formula serves instead (one dispatcher layer, no Python)."""
-        if self.host_kernels is not None:
+        if "Autograd" in self.host_keys:
             return
         torch.library.register_autograd(self.qualname, backward, setup_context=setup_context,
                                         lib=_LIBRARY)
@@ -170,9 +170,10 @@ def kernel_op(name: str, *, device_types=("cuda",), traced: bool = False,
         ``call_op(name, ..., checked=True)`` from the bodies of ops that made the same checks.
         The CUDA kernels' ops repeat their callers' checks (they are reachable through
         torch.ops, and a bad call must not reach a kernel): 5-17 us a call on the H200's host.
-    host: ``host(module)`` registers the op's kernels of the C++ host layer (compiled_moe.host):
-        its autograd formula and checks, and its CUDA kernel where the layer has CUDA. Where
-        the layer loads, those replace the Python ones; elsewhere the Python ones serve.
+    host: ``host(module)`` registers the op's kernels of the C++ host layer (compiled_moe.host)
+        and returns the dispatch keys it took ("Autograd": the formula and checks for every
+        device; "CUDA": the kernel, where the layer has CUDA). Where the layer loads, those
+        replace the Python ones; elsewhere the Python ones serve.
     """
     if autograd not in ("raise", "formula", "none"):
         raise ValueError(f"autograd must be 'raise', 'formula' or 'none', got {autograd!r}")
@@ -181,12 +182,11 @@ def kernel_op(name: str, *, device_types=("cuda",), traced: bool = False,
         _LIBRARY.define(name + torch.library.infer_schema(body, mutates_args=()))
         op = _KERNEL_OPS[name] = KernelOp(name, body, device_types, unchecked)
         host_module = _host_layer() if host is not None else None
-        for device_type in device_types:
-            if not (device_type == "cuda" and host_module is not None and host_module.has_cuda):
-                _LIBRARY.impl(name, op._kernel, _DISPATCH_KEYS[device_type])
         if host_module is not None:
-            host(host_module)
-            op.host_kernels = host_module
+            op.host_keys = frozenset(host(host_module))
+        for device_type in device_types:
+            if _DISPATCH_KEYS[device_type] not in op.host_keys:
+                _LIBRARY.impl(name, op._kernel, _DISPATCH_KEYS[device_type])
         if traced:
             op.register_traced(body)
         if autograd == "raise":

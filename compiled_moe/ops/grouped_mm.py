@@ -79,11 +79,11 @@ def _check_wgrad(a, grad_out, offs, num_groups=None) -> None:
 # ---------------------------------------------------------------------------- grouped_mm
 
 
-def _register_host_kernels(module) -> None:
+def _register_host_kernels(module) -> list[str]:
     """The C++ host layer's grouped_mm (csrc/host/ops.cpp): checks, autograd and the Hopper
     launch in C++; it asks sm90.host_plan once per shape and falls back to the Triton kernel."""
-    module.register_grouped_mm(lambda a, b, bias, out: _sm90().host_plan(a, b, bias, out),
-                               lambda a, b, offs, bias, out: _kernels().grouped_mm(a, b, offs, bias, out))
+    return module.register_grouped_mm(lambda a, b, bias, out: _sm90().host_plan(a, b, bias, out),
+                                      lambda a, b, offs, bias, out: _kernels().grouped_mm(a, b, offs, bias, out))
 
 
 @kernel_op("grouped_mm", device_types=("cuda", "cpu"), traced=True,
@@ -156,8 +156,18 @@ _grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_se
 # ---------------------------------------------------------------------------- grouped_mm_wgrad
 
 
+def _register_host_wgrad(module) -> list[str]:
+    """The C++ host layer's grouped_mm_wgrad CUDA kernel (csrc/host/ops.cpp): checks and the
+    Hopper launch in C++ (sm90.host_wgrad_plan asked once per shape), the Triton kernel for the
+    rest; the autograd formula below stays."""
+    return module.register_grouped_mm_wgrad(
+        lambda a, grad_out, out: _sm90().host_wgrad_plan(a, grad_out, out),
+        lambda a, grad_out, offs, out: _kernels().grouped_mm_wgrad(a, grad_out, offs, out, accumulate=False,
+                                                                   accumulate_mask=None))
+
+
 @kernel_op("grouped_mm_wgrad", device_types=("cuda", "cpu"), traced=True,
-           autograd="formula")
+           autograd="formula", host=_register_host_wgrad)
 @on_tensor_device
 def _grouped_mm_wgrad(a: Tensor, grad_out: Tensor, offs: Tensor,
                       out_dtype: Optional[torch.dtype] = None) -> Tensor:

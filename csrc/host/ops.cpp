@@ -1,11 +1,12 @@
-// The C++ host layer's ops: what an eager call of torch.ops.compiled_moe.grouped_mm runs,
-// from the dispatcher to the driver without Python (argument checks, autograd, the device
-// guard, tensor maps, the launch on torch's current stream).
+// The C++ host layer's ops: what an eager call of torch.ops.compiled_moe.grouped_mm (and of
+// grouped_mm_wgrad, its backward's weight gradient) runs, from the dispatcher to the driver
+// without Python (argument checks, autograd, the device guard, tensor maps, the launch on
+// torch's current stream).
 //
 // Python keeps what a compiled graph needs (schemas, fake functions, the traced bodies that
 // inductor inlines, the CPU reference) and what is chosen once per problem shape: whether the
-// Hopper kernel applies and its launch plan (kernels/grouped_mm_sm90.py's forward_plan, whose
-// heuristics live in kernels/configs.py). This layer asks Python for that decision on the first
+// Hopper kernel applies and its launch plan (kernels/grouped_mm_sm90.py's forward_plan and
+// wgrad_plan, whose heuristics live in kernels/configs.py). This layer asks Python for that decision on the first
 // call at a shape and keeps it; later calls at that shape make no call into Python.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
@@ -16,8 +17,12 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <initializer_list>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <unordered_map>
+#include <vector>
 
 #if __has_include(<cuda.h>)
 #define COMPILED_MOE_CUDA 1
@@ -140,6 +145,23 @@ void check_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
   check_out_dtype(out_dtype);
 }
 
+// compiled_moe/ops/grouped_mm.py's _check_wgrad and check_out_dtype (offs gives G).
+void check_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& grad_out, const at::Tensor& offs,
+                            std::optional<c10::ScalarType> out_dtype) {
+  check_tensor("a", a, 2);
+  check_tensor("grad_out", grad_out, 2);
+  check_same_dtype("a", a, "grad_out", grad_out);
+  CM_CHECK_TYPE(offs.scalar_type() == c10::kInt,
+                "offs must be int32 (cumulative end row of each group), got ", dtype_name(offs.scalar_type()));
+  CM_CHECK_VALUE(offs.dim() == 1, "offs must have shape (G,), one entry per group, got ", shape_str(offs.sym_sizes()));
+  CM_CHECK_VALUE(offs.sym_size(0) >= 1, "need at least one group");
+  check_same_device("a", a, "grad_out", grad_out);
+  check_same_device("a", a, "offs", offs);
+  CM_CHECK_VALUE(a.sym_size(0) == grad_out.sym_size(0), "a has ", size_str(a.sym_size(0)), " rows but grad_out has ",
+                 size_str(grad_out.sym_size(0)), "; they must match");
+  check_out_dtype(out_dtype);
+}
+
 // ------------------------------------------------------------------------------ dispatcher calls
 
 const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -192,6 +214,10 @@ class GroupedMmFunction : public torch::autograd::Function<GroupedMmFunction> {
                                                  torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const at::Tensor &a = saved[0], &b = saved[1], &offs = saved[2];
+    // Without create_graph nothing records the gradient's ops: they dispatch below autograd,
+    // straight to their kernels (grouped_mm_wgrad's autograd formula is Python's).
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
+    if (!at::GradMode::is_enabled()) below_autograd.emplace();
     at::Tensor grad = grads[0].to(a.scalar_type());
     at::Tensor grad_a, grad_b, grad_bias;
     if (ctx->needs_input_grad(0)) grad_a = grouped_mm_op().call(grad, b.mT(), offs, std::nullopt, std::nullopt);
@@ -218,6 +244,7 @@ at::Tensor grouped_mm_autograd(const at::Tensor& a, const at::Tensor& b, const a
 // ------------------------------------------------------------------------------ Hopper launch
 
 constexpr unsigned kThreads = 384;  // csrc/grouped_mm.cu: a producer warp and two consumer warpgroups
+constexpr unsigned kOrderScratchBytes = 8 * ((256 + 2) / 2 + 2 * 32 + 1);  // csrc/sm90.cuh's ORDER_SCRATCH
 constexpr int64_t kAlign = 16;      // TMA: base addresses and strides, in bytes
 
 int out_kind(c10::ScalarType t) {  // csrc/grouped_mm.cu's output kinds
@@ -315,11 +342,41 @@ struct ShapeKeyHash {
     return h;
   }
 };
-struct Decision {
-  bool kernel;
-  ForwardPlan plan;
-};
 constexpr size_t kMaxDecisions = 8192;
+
+// The decisions of one op, per shape: a plan, or none where its Hopper kernel does not apply.
+// A miss asks Python (under the GIL) once; prompts of many lengths fill it, so past
+// kMaxDecisions it starts over.
+template <typename Plan>
+class PlanCache {
+ public:
+  template <typename Ask>
+  std::optional<Plan> get(const ShapeKey& key, Ask ask) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = plans_.find(key);
+      if (it != plans_.end()) return it->second;
+    }
+    std::optional<Plan> plan;
+    {
+      pybind11::gil_scoped_acquire gil;
+      pybind11::object p = ask();
+      if (!p.is_none()) plan = read(p);
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (plans_.size() >= kMaxDecisions) plans_.clear();
+    plans_.emplace(key, plan);
+    return plan;
+  }
+
+ private:
+  static Plan read(const pybind11::handle& p);
+  std::mutex mutex_;
+  std::unordered_map<ShapeKey, std::optional<Plan>, ShapeKeyHash> plans_;
+};
+
+template <>
+ForwardPlan PlanCache<ForwardPlan>::read(const pybind11::handle& p) { return read_plan(p); }
 
 pybind11::object& grouped_mm_decide() {  // kernels/grouped_mm_sm90.py's host_plan
   static pybind11::object* fn = new pybind11::object();
@@ -330,39 +387,32 @@ pybind11::object& grouped_mm_fallback() {  // kernels/grouped_mm.py's Triton lau
   return *fn;
 }
 
+bool triton_forced() {  // COMPILED_MOE_GEMM=triton turns the CUDA kernels off
+  const char* gemm = std::getenv("COMPILED_MOE_GEMM");
+  return gemm != nullptr && std::string(gemm) == "triton";
+}
+
+bool tma_aligned(std::initializer_list<const at::Tensor*> tensors) {
+  for (const at::Tensor* t : tensors)
+    if (reinterpret_cast<uint64_t>(t->data_ptr()) % kAlign != 0) return false;
+  return true;
+}
+
 // grouped_mm on a CUDA device past its checks, under the caller's device guard.
 at::Tensor grouped_mm_device(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
                              const std::optional<at::Tensor>& bias, c10::ScalarType out_type) {
-  const char* gemm = std::getenv("COMPILED_MOE_GEMM");  // =triton turns the CUDA kernels off
   ShapeKey key{{a.size(0), a.size(1), b.size(0), b.size(2), a.stride(0) * 4 + a.stride(1),
                 b.stride(0), b.stride(1) * 2 + (b.stride(2) == 1), static_cast<int64_t>(a.scalar_type()),
                 static_cast<int64_t>(out_type),
                 bias ? static_cast<int64_t>(bias->scalar_type()) * 2 + (bias->stride(1) == 1) : -1,
-                bias ? bias->stride(0) : 0, a.device().index(), gemm != nullptr && std::string(gemm) == "triton"}};
-  static std::mutex mutex;
-  static std::unordered_map<ShapeKey, Decision, ShapeKeyHash> decisions;
-  Decision decision;
-  {
-    std::unique_lock<std::mutex> lock(mutex);
-    auto it = decisions.find(key);
-    if (it != decisions.end()) {
-      decision = it->second;
-    } else {
-      lock.unlock();
-      pybind11::gil_scoped_acquire gil;
-      pybind11::object p = grouped_mm_decide()(a, b, bias, at::empty({0}, a.options().dtype(out_type)));
-      decision = p.is_none() ? Decision{false, {}} : Decision{true, read_plan(p)};
-      lock.lock();
-      if (decisions.size() >= kMaxDecisions) decisions.clear();  // prompts of many lengths
-      decisions.emplace(key, decision);
-    }
-  }
+                bias ? bias->stride(0) : 0, a.device().index(), triton_forced()}};
+  static PlanCache<ForwardPlan> plans;
+  std::optional<ForwardPlan> plan = plans.get(key, [&] {
+    return grouped_mm_decide()(a, b, bias, at::empty({0}, a.options().dtype(out_type)));
+  });
   at::Tensor out = at::empty({a.size(0), b.size(2)}, a.options().dtype(out_type));
-  const bool aligned = reinterpret_cast<uint64_t>(a.data_ptr()) % kAlign == 0 &&
-                       reinterpret_cast<uint64_t>(b.data_ptr()) % kAlign == 0 &&
-                       reinterpret_cast<uint64_t>(out.data_ptr()) % kAlign == 0;
-  if (decision.kernel && aligned && a.size(0) > 0) {
-    launch_grouped_mm_sm90(a, b, offs, bias, out, decision.plan);
+  if (plan && tma_aligned({&a, &b, &out}) && a.size(0) > 0) {
+    launch_grouped_mm_sm90(a, b, offs, bias, out, *plan);
   } else {
     pybind11::gil_scoped_acquire gil;
     grouped_mm_fallback()(a, b, offs, bias, out);
@@ -375,6 +425,85 @@ at::Tensor grouped_mm_cuda(const at::Tensor& a, const at::Tensor& b, const at::T
   check_grouped_mm(a, b, offs, bias, out_dtype);
   c10::DeviceGuard guard(a.device());
   return grouped_mm_device(a, b, offs, bias, out_dtype.value_or(a.scalar_type()));
+}
+
+// ------------------------------------------------------------------------------ Hopper weight gradient
+
+// kernels/grouped_mm_sm90.py's WgradPlan, read once per shape.
+struct WgradPlan {
+  CUfunction function, claimed, tile_order;
+  unsigned grid, shared_bytes;
+  int num_stages, tiles_per_group;
+};
+
+template <>
+WgradPlan PlanCache<WgradPlan>::read(const pybind11::handle& p) {
+  auto t = p.cast<pybind11::tuple>();
+  auto i = [&t](int k) { return t[k].cast<int64_t>(); };
+  return {reinterpret_cast<CUfunction>(i(0)), reinterpret_cast<CUfunction>(i(1)), reinterpret_cast<CUfunction>(i(2)),
+          static_cast<unsigned>(i(3)), static_cast<unsigned>(i(4)), static_cast<int>(i(5)), static_cast<int>(i(6))};
+}
+
+pybind11::object& wgrad_decide() {  // kernels/grouped_mm_sm90.py's host_wgrad_plan
+  static pybind11::object* fn = new pybind11::object();
+  return *fn;
+}
+pybind11::object& wgrad_fallback() {  // kernels/grouped_mm.py's Triton weight gradient
+  static pybind11::object* fn = new pybind11::object();
+  return *fn;
+}
+
+// out[g] (P, Q) = a_g^T @ grad_out_g: kernels/grouped_mm_sm90.py's launch_wgrad, into a fresh
+// contiguous out. wgrad_tile_order picks between the fixed tile order and tiles claimed at
+// run time from offs on the device, and writes per-group copies of the operand maps; then both
+// kernels launch and the one not chosen returns at once.
+void launch_grouped_mm_wgrad_sm90(const at::Tensor& a, const at::Tensor& grad_out, const at::Tensor& offs,
+                                  const at::Tensor& out, const WgradPlan& plan) {
+  const int64_t M = a.size(0), P = a.size(1), Q = grad_out.size(1), G = out.size(0);
+  const int device = a.device().index();
+  ensure_context(device);
+  const int64_t es = out.element_size();
+  CUtensorMap a_map = map2d(reinterpret_cast<uint64_t>(a.data_ptr()), P * 2, M, a.stride(0) * 2, 128, 64);
+  CUtensorMap g_map = map2d(reinterpret_cast<uint64_t>(grad_out.data_ptr()), Q * 2, M, grad_out.stride(0) * 2, 128, 64);
+  CUtensorMap out_map = tensor_map({reinterpret_cast<uint64_t>(out.data_ptr()), {uint64_t(Q), uint64_t(P), uint64_t(G)},
+                                    {uint64_t(out.stride(1) * es), uint64_t(out.stride(0) * es)},
+                                    {uint32_t(128 / es), 64, 1}, 3, out_map_type(out.scalar_type())});
+  at::Tensor order = at::empty({2}, a.options().dtype(at::kInt));  // the choice, the claims' counter
+  at::Tensor maps = at::empty({G * 2 * 128}, a.options().dtype(at::kByte));
+  const at::Tensor offs_c = offs.contiguous();
+  void *offs_p = offs_c.data_ptr(), *order_p = order.data_ptr(), *maps_p = maps.data_ptr();
+  int32_t m = M, p = P, q = Q, g = G, tiles = plan.tiles_per_group, rows_per_step = 64, claim_steps = 0,
+          grid = plan.grid, row_dim = 1, kind = out_kind(out.scalar_type()), accumulate = 0,
+          stages = plan.num_stages;
+  void* mask = nullptr;  // every group written
+  void* order_args[] = {&offs_p, &m, &g, &tiles, &rows_per_step, &claim_steps, &grid, &order_p, &a_map, &g_map,
+                        &maps_p, &row_dim};
+  launch(device, plan.tile_order, 1, 256, kOrderScratchBytes, order_args);
+  void* args[] = {&a_map, &g_map, &out_map, &kind, &accumulate, &mask, &offs_p, &m, &p, &q, &g, &stages,
+                  &maps_p, &order_p};
+  launch(device, plan.function, plan.grid, kThreads, plan.shared_bytes, args);
+  launch(device, plan.claimed, plan.grid, kThreads, plan.shared_bytes, args);
+}
+
+at::Tensor grouped_mm_wgrad_cuda(const at::Tensor& a, const at::Tensor& grad_out, const at::Tensor& offs,
+                                 std::optional<c10::ScalarType> out_dtype) {
+  check_grouped_mm_wgrad(a, grad_out, offs, out_dtype);
+  c10::DeviceGuard guard(a.device());
+  const c10::ScalarType out_type = out_dtype.value_or(a.scalar_type());
+  at::Tensor out = at::empty({offs.size(0), a.size(1), grad_out.size(1)}, a.options().dtype(out_type));
+  if (out.numel() == 0) return out;
+  ShapeKey key{{a.size(1), grad_out.size(1), offs.size(0), a.stride(0), a.stride(1), grad_out.stride(0),
+                grad_out.stride(1), static_cast<int64_t>(a.scalar_type()), static_cast<int64_t>(out_type),
+                a.device().index(), triton_forced(), 0, 0}};
+  static PlanCache<WgradPlan> plans;
+  std::optional<WgradPlan> plan = plans.get(key, [&] { return wgrad_decide()(a, grad_out, out); });
+  if (plan && tma_aligned({&a, &grad_out, &out}) && a.size(0) > 0) {
+    launch_grouped_mm_wgrad_sm90(a, grad_out, offs, out, *plan);
+  } else {
+    pybind11::gil_scoped_acquire gil;
+    wgrad_fallback()(a, grad_out, offs, out);
+  }
+  return out;
 }
 
 // ------------------------------------------------------------------------------ the experts block
@@ -506,11 +635,6 @@ torch::Library& library() {
 
 }  // namespace
 
-// Registers this layer's kernels of compiled_moe::grouped_mm (defined by the Python package):
-// autograd for every device; CUDA where this build has the driver API. decide(a, b, bias, out)
-// gives the Hopper kernel's plan for a shape, or None where the kernel does not apply (out: an
-// empty tensor of the output's dtype); fallback(a, b, offs, bias, out) writes the product into
-// out with the Triton kernel, for the rest.
 // block_kernels(device): the handles of the experts block's other kernels on a device (see
 // BlockKernels).
 void register_experts_block(pybind11::object block_kernels) {
@@ -519,12 +643,34 @@ void register_experts_block(pybind11::object block_kernels) {
 #endif
 }
 
-void register_grouped_mm(pybind11::object decide, pybind11::object fallback) {
+// compiled_moe::grouped_mm_wgrad's CUDA kernel (its autograd formula stays Python's):
+// decide(a, grad_out, out) gives the Hopper kernel's plan or None; fallback(a, grad_out, offs,
+// out) writes the gradient with the Triton kernel. Returns the dispatch keys registered.
+std::vector<std::string> register_grouped_mm_wgrad(pybind11::object decide, pybind11::object fallback) {
+#ifdef COMPILED_MOE_CUDA
+  wgrad_decide() = std::move(decide);
+  wgrad_fallback() = std::move(fallback);
+  library().impl("grouped_mm_wgrad", torch::dispatch(c10::DispatchKey::CUDA, TORCH_FN(grouped_mm_wgrad_cuda)));
+  return {"CUDA"};
+#else
+  return {};
+#endif
+}
+
+// Registers this layer's kernels of compiled_moe::grouped_mm (defined by the Python package):
+// autograd for every device; CUDA where this build has the driver API. decide(a, b, bias, out)
+// gives the Hopper kernel's plan for a shape, or None where the kernel does not apply (out: an
+// empty tensor of the output's dtype); fallback(a, b, offs, bias, out) writes the product into
+// out with the Triton kernel, for the rest. Returns the dispatch keys registered.
+std::vector<std::string> register_grouped_mm(pybind11::object decide, pybind11::object fallback) {
   library().impl("grouped_mm", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(grouped_mm_autograd)));
 #ifdef COMPILED_MOE_CUDA
   grouped_mm_decide() = std::move(decide);
   grouped_mm_fallback() = std::move(fallback);
   library().impl("grouped_mm", torch::dispatch(c10::DispatchKey::CUDA, TORCH_FN(grouped_mm_cuda)));
+  return {"Autograd", "CUDA"};
+#else
+  return {"Autograd"};
 #endif
 }
 
@@ -533,7 +679,10 @@ void register_grouped_mm(pybind11::object decide, pybind11::object fallback) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "compiled_moe's C++ host layer (csrc/host)";
   m.def("register_grouped_mm", &compiled_moe::register_grouped_mm);
+  m.def("register_grouped_mm_wgrad", &compiled_moe::register_grouped_mm_wgrad);
   m.def("register_experts_block", &compiled_moe::register_experts_block);
+  // The weight gradient's checks alone (the CUDA kernel makes them), for tests on any machine.
+  m.def("check_grouped_mm_wgrad", &compiled_moe::check_grouped_mm_wgrad);
 #ifdef COMPILED_MOE_CUDA
   m.attr("has_cuda") = true;
   m.def("launch_grouped_mm_sm90", [](const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
