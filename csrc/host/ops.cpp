@@ -6,8 +6,9 @@
 // Python keeps what a compiled graph needs (schemas, fake functions, the traced bodies that
 // inductor inlines, the CPU reference) and what is chosen once per problem shape: whether the
 // Hopper kernel applies and its launch plan (kernels/grouped_mm_sm90.py's forward_plan and
-// wgrad_plan, whose heuristics live in kernels/configs.py). This layer asks Python for that decision on the first
-// call at a shape and keeps it; later calls at that shape make no call into Python.
+// wgrad_plan, whose heuristics live in kernels/configs.py). This layer asks Python for that
+// decision on the first call at a shape and keeps it; later calls at that shape make no call
+// into Python.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/autograd.h>
