@@ -1,10 +1,10 @@
 """Eager calls: host time per op call, and the eager experts block at serving sizes.
 
-Same process, same inputs. Two tables:
+Same process, same inputs. Tables:
   ops:   host time per eager call (CPU timer over calls, no synchronisation; tiny problems, so
-         the GPU never holds the host back), interleaved rounds, medians: the package's ops
-         through torch.ops (what a user's direct call and the package's own calls pay) against
-         torch._grouped_mm on the same operands.
+         the GPU never holds the host back), interleaved rounds, medians: each op the experts
+         block runs, through torch.ops (what a user's direct call and the package's own calls
+         pay), against torch._grouped_mm on the same operands.
   block: the eager experts block (moe_experts, no grad) at T tokens, Qwen3-30B-A3B shape,
          against Hugging Face's grouped_mm experts backend, wall time per call (host and GPU
          together, as a decoding model sees it), and forward+backward.
@@ -52,29 +52,49 @@ def interleaved_medians(fns: dict, timer, rounds=9) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def op_rows():
-    x = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(8, 256, 128, device="cuda", dtype=torch.bfloat16)
-    offs = torch.arange(1, 9, device="cuda", dtype=torch.int32) * 32
-    xg = x.clone().requires_grad_()
-    wg = w.clone().requires_grad_()
-    dy = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+def op_rows(device="cuda", calls=300, rounds=9):
+    """Host time of one eager call of each op the experts block runs (tiny operands: 256 x 128
+    rows in 8 groups, a decode step's routing of 4 tokens, top-8 of 128 experts), through
+    torch.ops as a user's direct call and the package's own calls pay it, against
+    torch._grouped_mm's on the same operands. device="cpu" runs the same calls on the CPU
+    reference (a check of the calls, no figure)."""
+    bf = dict(device=device, dtype=torch.bfloat16)
+    x = torch.randn(256, 128, **bf)
+    w = torch.randn(8, 256, 128, **bf)
+    offs = torch.arange(1, 9, device=device, dtype=torch.int32) * 32
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    dy = torch.randn(256, 256, **bf)
+    ids = torch.randint(0, 128, (4, 8), device=device, dtype=torch.int32)
+    _, row_of, source = torch.ops.compiled_moe.moe_route(ids, 128, 1)
+    hidden, y = torch.randn(4, 128, **bf), torch.randn(32, 128, **bf)
+    weights = torch.softmax(torch.randn(4, 8, device=device), -1)
+    h, dh = torch.randn(256, 256, **bf), torch.randn(256, 128, **bf)
+    main_grad = torch.zeros(8, 128, 256, device=device)
+    w_fp8 = cm.quantize_weight(w)
+    ops = torch.ops.compiled_moe
     fns = {
         "torch._grouped_mm": lambda: torch._grouped_mm(x, w.mT, offs),
-        "grouped_mm": lambda: torch.ops.compiled_moe.grouped_mm(x, w.mT, offs, None, None),
+        "grouped_mm": lambda: ops.grouped_mm(x, w.mT, offs, None, None),
         "torch._grouped_mm fwd+bwd": lambda: torch._grouped_mm(xg, wg.mT, offs).backward(dy),
         "grouped_mm fwd+bwd": lambda: cm.grouped_mm(xg, wg.mT, offs).backward(dy),
-        "grouped_mm_wgrad": lambda: torch.ops.compiled_moe.grouped_mm_wgrad(dy, x, offs, None),
-        "moe_route": lambda: torch.ops.compiled_moe.moe_route(ids, 128, 1),
+        "grouped_mm_wgrad": lambda: ops.grouped_mm_wgrad(dy, x, offs, None),
+        "grouped_mm_wgrad_accumulate_": lambda: ops.grouped_mm_wgrad_accumulate_(main_grad, x, dy, offs, None),
+        "grouped_sum": lambda: ops.grouped_sum(dy, offs, None),
+        "moe_route": lambda: ops.moe_route(ids, 128, 1),
+        "moe_permute": lambda: ops.moe_permute(hidden, row_of, source, None),
+        "moe_unpermute": lambda: ops.moe_unpermute(y, row_of, source, weights),
+        "moe_activation": lambda: ops.moe_activation(h, "swiglu", "stacked", 1.702, 7.0),
+        "moe_activation_backward": lambda: ops.moe_activation_backward(dh, h, "swiglu", "stacked", 1.702, 7.0),
+        "grouped_quantize": lambda: ops.grouped_quantize(x, offs, "fp8_blockwise", True, False),
+        "fp8_grouped_mm (weight cached)": lambda: cm.fp8_grouped_mm(x, w.mT, offs, weight_fp8=w_fp8),
     }
-    ids = torch.randint(0, 128, (4, 8), device="cuda", dtype=torch.int32)
-    us = interleaved_medians(fns, host_us)
+    us = interleaved_medians(fns, lambda fn: host_us(fn, calls), rounds)
     base = us["torch._grouped_mm"]
     rows = []
-    print(f"host time per eager call (us; C++ host layer {'on' if host.cuda_module() else 'off'})")
+    print(f"host time per eager call (us; C++ host layer {'on' if host.cuda_module() else 'off'}; {device})")
     for name, t in us.items():
         ref = us["torch._grouped_mm fwd+bwd"] if "fwd+bwd" in name else base
-        print(f"  {name:28s} {t:8.1f}   {t / ref:5.2f}x torch._grouped_mm's")
+        print(f"  {name:32s} {t:8.1f}   {t / ref:5.2f}x torch._grouped_mm's")
         rows.append(dict(table="ops", op=name, host_us=t, vs_torch=t / ref))
     return rows
 

@@ -154,17 +154,18 @@ def write_json(path: str, payload: dict) -> None:
 # Host time per eager call (CPU timer, no synchronisation): bench_eager, bench_lowering and
 # tools/host_overhead.py. wall: the clock stops after a synchronisation instead (host and GPU
 # time as a decode loop sees them).
-def host_us(fn, calls=300, wall=False):
-    for _ in range(20):
+def host_us(fn, calls=300, wall=False, warmup=20):
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
     if wall:
-        torch.cuda.synchronize()
+        sync()
     t = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
+    sync()
     return t
 
 
