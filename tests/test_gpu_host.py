@@ -94,6 +94,25 @@ def test_wgrad_matches_reference(M, P, Q, G):
         torch.ops.compiled_moe.grouped_mm_wgrad(a, dy, offs, torch.float32)
 
 
+def test_float64_takes_the_reference():
+    """float64 on CUDA: the C++ kernels' fallbacks run the reference, as the Python kernels do
+    (the Triton kernels accumulate in fp32); forward and both gradients to float64 precision."""
+    from compiled_moe import reference
+
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(40, 24, generator=g, dtype=torch.float64)
+    w = torch.randn(3, 16, 24, generator=g, dtype=torch.float64)
+    offs = random_offsets(40, 3, generator=g, empty_groups=1, tail=2)
+    dy = torch.randn(40, 16, generator=g, dtype=torch.float64)
+    leaves = [t.cuda().requires_grad_() for t in (a, w)]
+    out = cm.grouped_mm(leaves[0], leaves[1].mT, offs.cuda())
+    out.backward(dy.cuda())
+    want = reference.grouped_mm(a, w.mT, offs)
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(leaves[1].grad.cpu(), reference.grouped_mm_wgrad(dy, a, offs),
+                               rtol=1e-12, atol=1e-12)  # (G, N, K): dy_g^T @ a_g
+
+
 def test_graph_replay_under_changing_routing_and_no_sync():
     torch.manual_seed(0)
     M, K, N, G = 64, 2048, 1536, 128

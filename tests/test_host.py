@@ -192,6 +192,22 @@ def test_layer_off_and_unbuildable(tmp_path):
     assert broken.stdout.split() == ["True", "False", "1", "True"], broken.stdout
 
 
+def test_builds_without_cuda_h(tmp_path):
+    """Without cuda.h the layer builds without its CUDA kernels (checks and autograd only), as
+    on a machine with no nvidia-cuda-runtime headers; its checks still raise the Python
+    messages. (Built under another name into tmp_path: the package's own build stays loaded.)"""
+    from torch.utils import cpp_extension
+
+    m = cpp_extension.load(name="compiled_moe_host_no_cuda", sources=[str(s) for s in host.sources()],
+                           build_directory=str(tmp_path), extra_cflags=["-O2"], extra_ldflags=["-ldl"])
+    if m.has_cuda:
+        pytest.skip("this compiler finds cuda.h on its default include paths")
+    assert not hasattr(m, "moe_experts_forward")
+    a, g = torch.randn(10, 8), torch.randn(9, 6)
+    with pytest.raises(ValueError, match="a has 10 rows but grad_out has 9; they must match"):
+        m.check_grouped_mm_wgrad(a, g, torch.tensor([3, 3, 9], dtype=torch.int32), None)
+
+
 def test_compile_dynamic_one_compile_through_the_cpp_formula():
     """The C++ checks read sizes as SymInts: a dynamic compile of forward+backward stays one
     graph for every token count (an int size there pinned the token count)."""

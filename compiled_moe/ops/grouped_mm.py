@@ -79,11 +79,20 @@ def _check_wgrad(a, grad_out, offs, num_groups=None) -> None:
 # ---------------------------------------------------------------------------- grouped_mm
 
 
+def _host_fallback(a, b, offs, bias, out) -> None:
+    """What the C++ host layer's grouped_mm runs where the Hopper kernel does not apply: as the
+    Python kernel, the Triton kernel, or the reference for float64 (use_kernel)."""
+    if use_kernel(a, b):
+        _kernels().grouped_mm(a, b, offs, bias, out)
+    else:
+        out.copy_(reference.grouped_mm(a, b, offs, bias, out.dtype))
+
+
 def _register_host_kernels(module) -> list[str]:
     """The C++ host layer's grouped_mm (csrc/host/ops.cpp): checks, autograd and the Hopper
-    launch in C++; it asks sm90.host_plan once per shape and falls back to the Triton kernel."""
+    launch in C++; it asks sm90.host_plan once per shape, and _host_fallback serves the rest."""
     return module.register_grouped_mm(lambda a, b, bias, out: _sm90().host_plan(a, b, bias, out),
-                                      lambda a, b, offs, bias, out: _kernels().grouped_mm(a, b, offs, bias, out))
+                                      _host_fallback)
 
 
 @kernel_op("grouped_mm", device_types=("cuda", "cpu"), traced=True,
@@ -156,14 +165,21 @@ _grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_se
 # ---------------------------------------------------------------------------- grouped_mm_wgrad
 
 
+def _host_wgrad_fallback(a, grad_out, offs, out) -> None:
+    """What the C++ host layer's grouped_mm_wgrad runs where the Hopper kernel does not apply:
+    as the Python kernel, the Triton kernel, or the reference for float64 (use_kernel)."""
+    if use_kernel(a):
+        _kernels().grouped_mm_wgrad(a, grad_out, offs, out, accumulate=False, accumulate_mask=None)
+    else:
+        out.copy_(reference.grouped_mm_wgrad(a, grad_out, offs, out.dtype))
+
+
 def _register_host_wgrad(module) -> list[str]:
     """The C++ host layer's grouped_mm_wgrad CUDA kernel (csrc/host/ops.cpp): checks and the
-    Hopper launch in C++ (sm90.host_wgrad_plan asked once per shape), the Triton kernel for the
-    rest; the autograd formula below stays."""
-    return module.register_grouped_mm_wgrad(
-        lambda a, grad_out, out: _sm90().host_wgrad_plan(a, grad_out, out),
-        lambda a, grad_out, offs, out: _kernels().grouped_mm_wgrad(a, grad_out, offs, out, accumulate=False,
-                                                                   accumulate_mask=None))
+    Hopper launch in C++ (sm90.host_wgrad_plan asked once per shape), _host_wgrad_fallback for
+    the rest; the autograd formula below stays."""
+    return module.register_grouped_mm_wgrad(lambda a, grad_out, out: _sm90().host_wgrad_plan(a, grad_out, out),
+                                            _host_wgrad_fallback)
 
 
 @kernel_op("grouped_mm_wgrad", device_types=("cuda", "cpu"), traced=True,

@@ -1,3 +1,5 @@
+// Without cuda.h (a build for CPU only) this file compiles to nothing.
+#if __has_include(<cuda.h>)
 #include "cuda_driver.h"
 
 #include <c10/core/Device.h>
@@ -128,3 +130,5 @@ void launch(int device, CUfunction function, unsigned grid, unsigned block, unsi
 }
 
 }  // namespace compiled_moe
+
+#endif  // __has_include(<cuda.h>)

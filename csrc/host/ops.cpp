@@ -25,6 +25,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "text.h"
+
 #if __has_include(<cuda.h>)
 #define COMPILED_MOE_CUDA 1
 #include "cuda_driver.h"
@@ -40,7 +42,7 @@ namespace {
 //
 // A failed check sets the Python exception itself and throws torch's python_error, which the
 // dispatcher's Python boundary turns back into that exception (as for a Python kernel's
-// error). Messages are built with cat (cuda_driver.h), never c10::str: see there.
+// error). Messages are built with cat (text.h), never c10::str: see there.
 [[noreturn]] void raise_python(PyObject* type, const std::string& message) {
   pybind11::gil_scoped_acquire gil;
   PyErr_SetString(type, message.c_str());
