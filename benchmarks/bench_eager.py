@@ -30,14 +30,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
 
 import compiled_moe as cm
 from compiled_moe import host
 from bench_experts import hf_experts_module, skewed_topk
-from common import MODELS, environment, gpu_us, host_us, write_json
+from common import MODELS, environment, gpu_us, host_us, timed_rounds, write_json
 
 
 def wall_us(fn, calls=100):
@@ -45,11 +44,8 @@ def wall_us(fn, calls=100):
 
 
 def interleaved_medians(fns: dict, timer, rounds=9) -> dict:
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(timer(fn))
-    return {name: statistics.median(t) for name, t in times.items()}
+    """{name: median over common.timed_rounds' interleaved rounds} of timer(fn)."""
+    return {name: statistics.median(t) for name, t in timed_rounds(fns, rounds, timer).items()}
 
 
 def op_rows(device="cuda", calls=300, rounds=9):
@@ -192,21 +188,19 @@ def generate_rows(batches=(1, 8), new_tokens=64, layers=8, rounds=3, profile=Fal
     for batch in batches:
         prompt = torch.randint(0, cfg.vocab_size, (batch, 16), device="cuda")
         impls = ["compiled_moe", "grouped_mm"] + ([] if static else ["eager"])
-        samples = {impl: [] for impl in impls}
-        for r in range(rounds):  # interleaved, the order turning each round; medians
-            for impl in (impls if r % 2 == 0 else impls[::-1]):
+
+        def run(impl):
+            def generate():
                 model.set_experts_implementation(impl)
-                run = lambda: model.generate(prompt, max_new_tokens=new_tokens,  # noqa: E731
-                                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                                             **extra)
-                if r == 0:
-                    run()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                run()
-                torch.cuda.synchronize()
-                samples[impl].append(batch * new_tokens / (time.perf_counter() - t0))
-        rates = {impl: statistics.median(v) for impl, v in samples.items()}
+                model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                               pad_token_id=0, **extra)
+            return generate
+
+        fns = {impl: run(impl) for impl in impls}
+        for fn in fns.values():  # warm-up (and, static, the compiles)
+            fn()
+        secs = interleaved_medians(fns, lambda fn: host_us(fn, 1, wall=True, warmup=0) / 1e6, rounds)
+        rates = {impl: batch * new_tokens / t for impl, t in secs.items()}
         if profile:  # where a decode step's host and GPU time go, per implementation
             for impl in ("compiled_moe", "grouped_mm"):
                 model.set_experts_implementation(impl)
