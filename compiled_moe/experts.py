@@ -24,35 +24,10 @@ from compiled_moe.mlp import (_needs_grad, activation_constants, apply_activatio
 from compiled_moe.ops._dispatch import check_same_device, check_same_dtype, check_tensor, is_real_tensor
 
 
-def _host_block_kernels(dev: int) -> tuple:
-    """The C++ host layer's question, once per device: the handles of the block's route and
-    row kernels, and the SM count (csrc/host/ops.cpp's BlockKernels)."""
-    from compiled_moe import native
-    from compiled_moe.kernels.grouped_mm import _num_sms
-
-    def handle(source, name):
-        return native.function_handle(native.kernel(source, name, dev), dev)
-
-    return (handle("moe_route", "moe_route_rank_i32"), handle("moe_route", "moe_route_rank_i64"),
-            handle("moe_route", "moe_route_place_i32"), handle("moe_route", "moe_route_place_i64"),
-            handle("moe_rows", "moe_gather_rows"), handle("moe_rows", "moe_activation_rows"),
-            handle("moe_rows", "moe_combine_rows"), _num_sms(dev))
-
-
-_host_block_module = None  # the host layer's module once its block kernels are registered
-
-
 def _host_block():
-    global _host_block_module
-    if _host_block_module is None:
-        from compiled_moe import host
+    from compiled_moe import host
 
-        module = host.cuda_module()
-        if module is None:
-            return None
-        module.register_experts_block(_host_block_kernels)
-        _host_block_module = module
-    return _host_block_module
+    return host.cuda_module()
 
 
 def host_block_applies(hidden, topk_ids, topk_weights, w1, w2, b1, b2) -> bool:

@@ -102,13 +102,30 @@ def build(verbose: bool = False):
         extra_ldflags=["-ldl"], verbose=verbose)
 
 
+def block_kernels(dev: int) -> tuple:
+    """The layer's question, once per device: the handles of the route and row kernels
+    (csrc/moe_route.cu, csrc/moe_rows.cu) and the SM count (csrc/host/ops.cpp's BlockKernels)."""
+    from compiled_moe import native
+    from compiled_moe.kernels.grouped_mm import _num_sms
+
+    def handle(source, name):
+        return native.function_handle(native.kernel(source, name, dev), dev)
+
+    return (handle("moe_route", "moe_route_rank_i32"), handle("moe_route", "moe_route_rank_i64"),
+            handle("moe_route", "moe_route_place_i32"), handle("moe_route", "moe_route_place_i64"),
+            handle("moe_rows", "moe_gather_rows"), handle("moe_rows", "moe_activation_rows"),
+            handle("moe_rows", "moe_combine_rows"), _num_sms(dev))
+
+
 @functools.lru_cache(maxsize=None)
 def module():
     """The loaded extension, or None (switched off, or it could not be built: warned once)."""
     if not enabled():
         return None
     try:
-        return build()
+        m = build()
+        m.register_block_kernels(block_kernels)
+        return m
     except Exception as e:  # no compiler, no ninja, a failed build: the Python path serves
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         warnings.warn(f"compiled_moe: the C++ host layer could not be built ({first_line}); eager "

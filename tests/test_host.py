@@ -39,6 +39,9 @@ def test_registrations_and_schema():
     assert _registered_in_cpp("grouped_mm_wgrad", "CUDA") == host.module().has_cuda
     assert not _registered_in_cpp("grouped_mm_wgrad", "Autograd")
     assert "Autograd" in torch._C._dispatch_dump("compiled_moe::grouped_mm_wgrad")
+    # The route: its CUDA kernel (the op has no autograd); CPU stays the reference.
+    assert _registered_in_cpp("moe_route", "CUDA") == host.module().has_cuda
+    assert not _registered_in_cpp("moe_route", "CPU")
     assert str(torch.ops.compiled_moe.grouped_mm.default._schema) == (
         "compiled_moe::grouped_mm(Tensor a, Tensor b, Tensor offs, Tensor? bias=None, "
         "ScalarType? out_dtype=None) -> Tensor")
@@ -111,6 +114,32 @@ def test_wgrad_errors_are_the_python_checks(case):
     assert str(cpp_error.value) == str(python_error.value)
     good = (torch.randn(10, 8), torch.randn(10, 6), torch.tensor([3, 3, 9], dtype=torch.int32), None)
     host.module().check_grouped_mm_wgrad(*good)  # good arguments pass
+
+
+_BAD_ROUTES = {
+    "ids 1-D": (torch.zeros(8, dtype=torch.int32), 4, 1),
+    "ids float": (torch.zeros(2, 4), 4, 1),
+    "ids int16": (torch.zeros(2, 4, dtype=torch.int16), 4, 1),
+    "no experts": (torch.zeros(2, 4, dtype=torch.int32), 0, 1),
+    "too many experts": (torch.zeros(2, 4, dtype=torch.int64), 4097, 1),
+    "pad 0": (torch.zeros(2, 4, dtype=torch.int32), 4, 0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_ROUTES))
+def test_route_errors_are_the_python_checks(case):
+    """moe_route's C++ checks (its CUDA kernel makes them): the Python checks' exception types
+    and messages, word for word; run here without a GPU."""
+    from compiled_moe.ops import routing
+
+    ids, num_experts, pad = _BAD_ROUTES[case]
+    with pytest.raises((TypeError, ValueError)) as python_error:
+        routing._check_route(ids, num_experts, pad)
+    with pytest.raises((TypeError, ValueError)) as cpp_error:
+        host.module().check_moe_route(ids, num_experts, pad)
+    assert type(cpp_error.value) is type(python_error.value)
+    assert str(cpp_error.value) == str(python_error.value)
+    host.module().check_moe_route(torch.zeros(2, 4, dtype=torch.int64), 4096, 8)  # good arguments pass
 
 
 @pytest.mark.parametrize("transposed", [True, False])

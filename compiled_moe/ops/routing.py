@@ -6,7 +6,8 @@ torch.ops.compiled_moe.moe_unpermute  out[t] = sum_s w[t, s] * y[row_of[t, s]]  
 
 moe_route is an opaque op (``kernel_op``: no autograd, integer outputs). Small routings run one
 Triton program, which compiled graphs launch themselves (``register_traced``); larger ones the
-NVRTC kernels of csrc/moe_route.cu. The other two launch Triton kernels that compiled graphs
+NVRTC kernels of csrc/moe_route.cu. Where the C++ host layer loads, an eager CUDA call runs
+those NVRTC kernels from C++ at every size (csrc/host/ops.cpp's moe_route_cuda). The other two launch Triton kernels that compiled graphs
 trace (``kernel_op(traced=True)``, as a ``triton_op``). On CPU every op runs its reference
 (compiled_moe.reference).
 """
@@ -62,7 +63,14 @@ def _route_outputs(topk_ids, num_experts, pad_multiple):
     return new(num_experts), new(num_tokens, k), new(capacity)
 
 
-@kernel_op("moe_route", device_types=("cuda", "cpu"), autograd="none")
+def _register_host_route(module) -> list[str]:
+    """The C++ host layer's moe_route CUDA kernel (csrc/host/ops.cpp): checks and the NVRTC
+    route kernels launched from C++, at every size (the one-program Triton route stays what
+    compiled graphs launch)."""
+    return module.register_moe_route()
+
+
+@kernel_op("moe_route", device_types=("cuda", "cpu"), autograd="none", host=_register_host_route)
 @on_tensor_device
 def _moe_route(topk_ids: Tensor, num_experts: int, pad_multiple: int = 1
                ) -> tuple[Tensor, Tensor, Tensor]:

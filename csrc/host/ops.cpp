@@ -22,6 +22,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -163,6 +164,20 @@ void check_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& grad_out, con
   CM_CHECK_VALUE(a.sym_size(0) == grad_out.sym_size(0), "a has ", size_str(a.sym_size(0)), " rows but grad_out has ",
                  size_str(grad_out.sym_size(0)), "; they must match");
   check_out_dtype(out_dtype);
+}
+
+// compiled_moe/ops/routing.py's _check_route.
+constexpr int64_t kMaxExperts = 4096;  // routing.py's MAX_EXPERTS (the route kernels' shared memory)
+
+void check_moe_route(const at::Tensor& topk_ids, int64_t num_experts, int64_t pad_multiple) {
+  CM_CHECK_VALUE(topk_ids.dim() == 2, "topk_ids must be 2-D, got shape ", shape_str(topk_ids.sym_sizes()));
+  CM_CHECK_TYPE(topk_ids.scalar_type() == c10::kInt || topk_ids.scalar_type() == c10::kLong,
+                "topk_ids must have dtype in (int32, int64), got ", dtype_name(topk_ids.scalar_type()));
+  CM_CHECK_VALUE(num_experts >= 1 && num_experts <= kMaxExperts, "num_experts must be in [1, ", kMaxExperts,
+                 "], got ", num_experts);
+  CM_CHECK_VALUE(pad_multiple >= 1, "pad_multiple must be >= 1, got ", pad_multiple);
+  if (auto n = topk_ids.sym_numel().maybe_as_int())
+    CM_CHECK_VALUE(*n < (int64_t(1) << 31), "topk_ids has ", *n, " entries; at most 2**31 - 1 are supported");
 }
 
 // ------------------------------------------------------------------------------ dispatcher calls
@@ -547,10 +562,11 @@ unsigned grid_for(int64_t elements, unsigned sms) {  // grid-stride kernels: up 
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((elements + 255) / 256, 8 * sms)));
 }
 
-// moe_route's CUDA kernels into offs (E,), row_of (T, k), source (T*k,), no padding; the launch
-// arithmetic of compiled_moe/ops/routing.py's _route_cuda (which serves where this layer does not).
-void route(const at::Tensor& ids, int64_t num_experts, const at::Tensor& offs, const at::Tensor& row_of,
-           const at::Tensor& source, const BlockKernels& k, int device) {
+// moe_route's CUDA kernels into offs (E,), row_of (T, k), source (T*k + E*(pad_multiple-1),):
+// the launch arithmetic of compiled_moe/ops/routing.py's _route_cuda (which serves where this
+// layer does not).
+void route(const at::Tensor& ids, int64_t num_experts, int64_t pad_multiple, const at::Tensor& offs,
+           const at::Tensor& row_of, const at::Tensor& source, const BlockKernels& k, int device) {
   constexpr int64_t kSharedInts = 12288;
   const int64_t n = ids.numel();
   const int64_t num_warps = std::max<int64_t>(1, std::min<int64_t>(32, kSharedInts / num_experts));
@@ -563,7 +579,7 @@ void route(const at::Tensor& ids, int64_t num_experts, const at::Tensor& offs, c
   void *ids_p = ids.data_ptr(), *row_of_p = row_of.data_ptr(), *hist_p = hist.data_ptr(),
        *offs_p = offs.data_ptr(), *source_p = source.data_ptr();
   int64_t n64 = n, source_rows = source.size(0);
-  int32_t experts = static_cast<int32_t>(num_experts), pad = 1;
+  int32_t experts = static_cast<int32_t>(num_experts), pad = static_cast<int32_t>(pad_multiple);
   void* rank_args[] = {&ids_p, &row_of_p, &hist_p, &n64, &experts, &items};
   launch(device, k.route_rank[wide], num_chunks, block, 4 * num_warps * num_experts, rank_args);
   void* place_args[] = {&ids_p, &row_of_p, &hist_p, &offs_p, &source_p, &n64, &source_rows, &experts,
@@ -573,6 +589,26 @@ void route(const at::Tensor& ids, int64_t num_experts, const at::Tensor& offs, c
 
 int weight_kind(c10::ScalarType t) {  // csrc/moe_rows.cu's kinds
   return t == c10::kBFloat16 ? 0 : t == c10::kHalf ? 1 : 2;
+}
+
+// torch.ops.compiled_moe.moe_route's CUDA kernel: (offs, row_of, source) of the expert-sorted
+// layout, compiled_moe.reference.moe_route's contract. No pairs: every group empty, every row
+// padding.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& topk_ids, int64_t num_experts,
+                                                              int64_t pad_multiple) {
+  check_moe_route(topk_ids, num_experts, pad_multiple);
+  c10::DeviceGuard guard(topk_ids.device());
+  const int device = topk_ids.device().index();
+  const int64_t pairs = topk_ids.numel();
+  const auto options = topk_ids.options().dtype(at::kInt);
+  const int64_t capacity = pairs + num_experts * (pad_multiple - 1);  // reference.routing_capacity
+  at::Tensor row_of = at::empty({topk_ids.size(0), topk_ids.size(1)}, options);
+  if (pairs == 0) return {at::zeros({num_experts}, options), row_of, at::full({capacity}, -1, options)};
+  at::Tensor offs = at::empty({num_experts}, options);
+  at::Tensor source = at::empty({capacity}, options);
+  ensure_context(device);
+  route(topk_ids.contiguous(), num_experts, pad_multiple, offs, row_of, source, block_kernels(device), device);
+  return {offs, row_of, source};
 }
 
 // The experts block's forward in one host call, for eager calls that need no gradient (a
@@ -594,7 +630,7 @@ at::Tensor moe_experts_forward(const at::Tensor& hidden, const at::Tensor& topk_
   at::Tensor offs = at::empty({experts}, options.dtype(at::kInt));
   at::Tensor row_of = at::empty({tokens, top_k}, options.dtype(at::kInt));
   at::Tensor source = at::empty({pairs}, options.dtype(at::kInt));
-  route(ids, experts, offs, row_of, source, k, device);
+  route(ids, experts, 1, offs, row_of, source, k, device);
 
   at::Tensor x = at::empty({pairs, hidden_size}, options);
   {
@@ -638,11 +674,22 @@ torch::Library& library() {
 
 }  // namespace
 
-// block_kernels(device): the handles of the experts block's other kernels on a device (see
-// BlockKernels).
-void register_experts_block(pybind11::object block_kernels) {
+// block_kernels(device): the handles of the route and row kernels on a device (see
+// BlockKernels), which the experts block and moe_route launch.
+void register_block_kernels(pybind11::object block_kernels) {
 #ifdef COMPILED_MOE_CUDA
   block_kernels_fn() = std::move(block_kernels);
+#endif
+}
+
+// compiled_moe::moe_route's CUDA kernel (the op has no autograd). Returns the dispatch keys
+// registered.
+std::vector<std::string> register_moe_route() {
+#ifdef COMPILED_MOE_CUDA
+  library().impl("moe_route", torch::dispatch(c10::DispatchKey::CUDA, TORCH_FN(moe_route_cuda)));
+  return {"CUDA"};
+#else
+  return {};
 #endif
 }
 
@@ -683,7 +730,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "compiled_moe's C++ host layer (csrc/host)";
   m.def("register_grouped_mm", &compiled_moe::register_grouped_mm);
   m.def("register_grouped_mm_wgrad", &compiled_moe::register_grouped_mm_wgrad);
-  m.def("register_experts_block", &compiled_moe::register_experts_block);
+  m.def("register_block_kernels", &compiled_moe::register_block_kernels);
+  m.def("register_moe_route", &compiled_moe::register_moe_route);
+  // The route's checks alone (its CUDA kernel makes them), for tests on any machine.
+  m.def("check_moe_route", &compiled_moe::check_moe_route);
   // The weight gradient's checks alone (the CUDA kernel makes them), for tests on any machine.
   m.def("check_grouped_mm_wgrad", &compiled_moe::check_grouped_mm_wgrad);
 #ifdef COMPILED_MOE_CUDA
