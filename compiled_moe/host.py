@@ -102,19 +102,26 @@ def build(verbose: bool = False):
         extra_ldflags=["-ldl"], verbose=verbose)
 
 
-def block_kernels(dev: int) -> tuple:
-    """The layer's question, once per device: the handles of the route and row kernels
-    (csrc/moe_route.cu, csrc/moe_rows.cu) and the SM count (csrc/host/ops.cpp's BlockKernels)."""
+def _handle(source: str, name: str, dev: int) -> int:
     from compiled_moe import native
+
+    return native.function_handle(native.kernel(source, name, dev), dev)
+
+
+def route_kernels(dev: int) -> tuple:
+    """The layer's question, once per device: the route kernels' handles (csrc/moe_route.cu;
+    csrc/host/ops.cpp's RouteKernels)."""
+    return tuple(_handle("moe_route", f"moe_route_{step}_{ids}", dev)
+                 for step in ("rank", "place") for ids in ("i32", "i64"))
+
+
+def row_kernels(dev: int) -> tuple:
+    """The layer's question, once per device: the experts block's row kernels' handles
+    (csrc/moe_rows.cu) and the SM count (csrc/host/ops.cpp's RowKernels)."""
     from compiled_moe.kernels.grouped_mm import _num_sms
 
-    def handle(source, name):
-        return native.function_handle(native.kernel(source, name, dev), dev)
-
-    return (handle("moe_route", "moe_route_rank_i32"), handle("moe_route", "moe_route_rank_i64"),
-            handle("moe_route", "moe_route_place_i32"), handle("moe_route", "moe_route_place_i64"),
-            handle("moe_rows", "moe_gather_rows"), handle("moe_rows", "moe_activation_rows"),
-            handle("moe_rows", "moe_combine_rows"), _num_sms(dev))
+    return (_handle("moe_rows", "moe_gather_rows", dev), _handle("moe_rows", "moe_activation_rows", dev),
+            _handle("moe_rows", "moe_combine_rows", dev), _num_sms(dev))
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,7 +131,7 @@ def module():
         return None
     try:
         m = build()
-        m.register_block_kernels(block_kernels)
+        m.register_kernels(route_kernels, row_kernels)
         return m
     except Exception as e:  # no compiler, no ninja, a failed build: the Python path serves
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

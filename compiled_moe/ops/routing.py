@@ -66,8 +66,10 @@ def _route_outputs(topk_ids, num_experts, pad_multiple):
 def _register_host_route(module) -> list[str]:
     """The C++ host layer's moe_route CUDA kernel (csrc/host/ops.cpp): checks and the NVRTC
     route kernels launched from C++, at every size (the one-program Triton route stays what
-    compiled graphs launch)."""
-    return module.register_moe_route()
+    compiled graphs launch). Without NVRTC (cuda-python) the Python kernel serves."""
+    from compiled_moe import native
+
+    return module.register_moe_route() if module.has_cuda and native.available() else []
 
 
 @kernel_op("moe_route", device_types=("cuda", "cpu"), autograd="none", host=_register_host_route)

@@ -526,33 +526,48 @@ at::Tensor grouped_mm_wgrad_cuda(const at::Tensor& a, const at::Tensor& grad_out
 
 // ------------------------------------------------------------------------------ the experts block
 
-// The kernels of the block's other steps on a device (csrc/moe_route.cu, csrc/moe_rows.cu),
-// asked of Python once per device (experts.py's host_block_kernels).
-struct BlockKernels {
-  CUfunction route_rank[2], route_place[2];  // by id dtype: int32, int64
-  CUfunction gather, activation, combine;
-  unsigned sms;
+// The handles of the route kernels (csrc/moe_route.cu) and of the experts block's row kernels
+// (csrc/moe_rows.cu) on a device, asked of Python once per device (compiled_moe/host.py's
+// route_kernels and row_kernels): moe_route needs only the first, so it runs where the row
+// kernels would not compile (before sm_80).
+struct RouteKernels {
+  CUfunction rank[2], place[2];  // by id dtype: int32, int64
+  static pybind11::object& ask() {
+    static pybind11::object* fn = new pybind11::object();
+    return *fn;
+  }
+  static RouteKernels read(const pybind11::tuple& t) {
+    auto f = [&t](int i) { return reinterpret_cast<CUfunction>(t[i].cast<int64_t>()); };
+    return {{f(0), f(1)}, {f(2), f(3)}};
+  }
 };
 
-pybind11::object& block_kernels_fn() {
-  static pybind11::object* fn = new pybind11::object();
-  return *fn;
-}
+struct RowKernels {
+  CUfunction gather, activation, combine;
+  unsigned sms;
+  static pybind11::object& ask() {
+    static pybind11::object* fn = new pybind11::object();
+    return *fn;
+  }
+  static RowKernels read(const pybind11::tuple& t) {
+    auto f = [&t](int i) { return reinterpret_cast<CUfunction>(t[i].cast<int64_t>()); };
+    return {f(0), f(1), f(2), static_cast<unsigned>(t[3].cast<int64_t>())};
+  }
+};
 
-const BlockKernels& block_kernels(int device) {
+template <typename Kernels>
+const Kernels& device_kernels(int device) {
   static std::mutex mutex;
-  static std::unordered_map<int, BlockKernels> kernels;
+  static std::unordered_map<int, Kernels> kernels;
   {
     std::lock_guard<std::mutex> lock(mutex);
     auto it = kernels.find(device);
     if (it != kernels.end()) return it->second;
   }
-  BlockKernels k;
+  Kernels k;
   {
     pybind11::gil_scoped_acquire gil;
-    auto t = block_kernels_fn()(device).cast<pybind11::tuple>();
-    auto f = [&t](int i) { return reinterpret_cast<CUfunction>(t[i].cast<int64_t>()); };
-    k = {{f(0), f(1)}, {f(2), f(3)}, f(4), f(5), f(6), static_cast<unsigned>(t[7].cast<int64_t>())};
+    k = Kernels::read(Kernels::ask()(device).template cast<pybind11::tuple>());
   }
   std::lock_guard<std::mutex> lock(mutex);
   return kernels.emplace(device, k).first->second;
@@ -566,7 +581,7 @@ unsigned grid_for(int64_t elements, unsigned sms) {  // grid-stride kernels: up 
 // the launch arithmetic of compiled_moe/ops/routing.py's _route_cuda (which serves where this
 // layer does not).
 void route(const at::Tensor& ids, int64_t num_experts, int64_t pad_multiple, const at::Tensor& offs,
-           const at::Tensor& row_of, const at::Tensor& source, const BlockKernels& k, int device) {
+           const at::Tensor& row_of, const at::Tensor& source, const RouteKernels& k, int device) {
   constexpr int64_t kSharedInts = 12288;
   const int64_t n = ids.numel();
   const int64_t num_warps = std::max<int64_t>(1, std::min<int64_t>(32, kSharedInts / num_experts));
@@ -581,10 +596,10 @@ void route(const at::Tensor& ids, int64_t num_experts, int64_t pad_multiple, con
   int64_t n64 = n, source_rows = source.size(0);
   int32_t experts = static_cast<int32_t>(num_experts), pad = static_cast<int32_t>(pad_multiple);
   void* rank_args[] = {&ids_p, &row_of_p, &hist_p, &n64, &experts, &items};
-  launch(device, k.route_rank[wide], num_chunks, block, 4 * num_warps * num_experts, rank_args);
+  launch(device, k.rank[wide], num_chunks, block, 4 * num_warps * num_experts, rank_args);
   void* place_args[] = {&ids_p, &row_of_p, &hist_p, &offs_p, &source_p, &n64, &source_rows, &experts,
                         &num_chunks, &chunk, &pad};
-  launch(device, k.route_place[wide], num_chunks, block, 4 * (2 * num_experts + 32), place_args);
+  launch(device, k.place[wide], num_chunks, block, 4 * (2 * num_experts + 32), place_args);
 }
 
 int weight_kind(c10::ScalarType t) {  // csrc/moe_rows.cu's kinds
@@ -607,7 +622,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& 
   at::Tensor offs = at::empty({num_experts}, options);
   at::Tensor source = at::empty({capacity}, options);
   ensure_context(device);
-  route(topk_ids.contiguous(), num_experts, pad_multiple, offs, row_of, source, block_kernels(device), device);
+  route(topk_ids.contiguous(), num_experts, pad_multiple, offs, row_of, source, device_kernels<RouteKernels>(device),
+        device);
   return {offs, row_of, source};
 }
 
@@ -622,7 +638,7 @@ at::Tensor moe_experts_forward(const at::Tensor& hidden, const at::Tensor& topk_
   c10::DeviceGuard guard(hidden.device());
   const int device = hidden.device().index();
   ensure_context(device);
-  const BlockKernels& k = block_kernels(device);
+  const RowKernels& k = device_kernels<RowKernels>(device);
   const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1), top_k = topk_ids.size(1);
   const int64_t experts = w1.size(0), inter = w2.size(2), pairs = tokens * top_k;
   const auto options = hidden.options();
@@ -630,7 +646,7 @@ at::Tensor moe_experts_forward(const at::Tensor& hidden, const at::Tensor& topk_
   at::Tensor offs = at::empty({experts}, options.dtype(at::kInt));
   at::Tensor row_of = at::empty({tokens, top_k}, options.dtype(at::kInt));
   at::Tensor source = at::empty({pairs}, options.dtype(at::kInt));
-  route(ids, experts, 1, offs, row_of, source, k, device);
+  route(ids, experts, 1, offs, row_of, source, device_kernels<RouteKernels>(device), device);
 
   at::Tensor x = at::empty({pairs, hidden_size}, options);
   {
@@ -674,11 +690,12 @@ torch::Library& library() {
 
 }  // namespace
 
-// block_kernels(device): the handles of the route and row kernels on a device (see
-// BlockKernels), which the experts block and moe_route launch.
-void register_block_kernels(pybind11::object block_kernels) {
+// route_kernels(device), row_kernels(device): the handles of the route and the row kernels on
+// a device (RouteKernels, RowKernels), which the experts block and moe_route launch.
+void register_kernels(pybind11::object route_kernels, pybind11::object row_kernels) {
 #ifdef COMPILED_MOE_CUDA
-  block_kernels_fn() = std::move(block_kernels);
+  RouteKernels::ask() = std::move(route_kernels);
+  RowKernels::ask() = std::move(row_kernels);
 #endif
 }
 
@@ -730,7 +747,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "compiled_moe's C++ host layer (csrc/host)";
   m.def("register_grouped_mm", &compiled_moe::register_grouped_mm);
   m.def("register_grouped_mm_wgrad", &compiled_moe::register_grouped_mm_wgrad);
-  m.def("register_block_kernels", &compiled_moe::register_block_kernels);
+  m.def("register_kernels", &compiled_moe::register_kernels);
   m.def("register_moe_route", &compiled_moe::register_moe_route);
   // The route's checks alone (its CUDA kernel makes them), for tests on any machine.
   m.def("check_moe_route", &compiled_moe::check_moe_route);
