@@ -110,18 +110,22 @@ def _handle(source: str, name: str, dev: int) -> int:
 
 def route_kernels(dev: int) -> tuple:
     """The layer's question, once per device: the route kernels' handles (csrc/moe_route.cu;
-    csrc/host/ops.cpp's RouteKernels)."""
+    csrc/host/kernels.h's RouteKernels)."""
     return tuple(_handle("moe_route", f"moe_route_{step}_{ids}", dev)
                  for step in ("rank", "place") for ids in ("i32", "i64"))
 
 
-def row_kernels(dev: int) -> tuple:
-    """The layer's question, once per device: the experts block's row kernels' handles
-    (csrc/moe_rows.cu) and the SM count (csrc/host/ops.cpp's RowKernels)."""
+def row_kernels(dev: int) -> tuple | None:
+    """The layer's question, once per device: the row kernels' handles (csrc/moe_rows.cu) and
+    the SM count (csrc/host/kernels.h's RowKernels); None before sm_80, where they do not
+    compile (bf16 conversions) and the row ops' Python kernels serve."""
     from compiled_moe.kernels.grouped_mm import _num_sms
 
-    return (_handle("moe_rows", "moe_gather_rows", dev), _handle("moe_rows", "moe_activation_rows", dev),
-            _handle("moe_rows", "moe_combine_rows", dev), _num_sms(dev))
+    if torch.cuda.get_device_capability(dev) < (8, 0):
+        return None
+    names = ("moe_gather_rows", "moe_permute_rows", "moe_activation_rows", "moe_activation_backward_rows",
+             "moe_combine_rows", "moe_pair_dot", "grouped_sum_rows")
+    return tuple(_handle("moe_rows", name, dev) for name in names) + (_num_sms(dev),)
 
 
 @functools.lru_cache(maxsize=None)

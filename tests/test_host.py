@@ -27,7 +27,7 @@ def _registered_in_cpp(op: str, key: str) -> bool:
     """The op's kernel for the dispatch key comes from csrc/host (the dispatcher records the
     registering file)."""
     dump = torch._C._dispatch_dump(f"compiled_moe::{op}")
-    return any(line.split(":")[0].split("[")[0] == key and "csrc/host/ops.cpp" in line
+    return any(line.split(":")[0].split("[")[0] == key and "csrc/host/" in line
                for line in dump.splitlines())
 
 
@@ -42,6 +42,10 @@ def test_registrations_and_schema():
     # The route: its CUDA kernel (the op has no autograd); CPU stays the reference.
     assert _registered_in_cpp("moe_route", "CUDA") == host.module().has_cuda
     assert not _registered_in_cpp("moe_route", "CPU")
+    # The row ops: their CUDA kernels; autograd formulas and CPU paths stay Python's.
+    for op in _ROW_OPS:
+        assert _registered_in_cpp(op, "CUDA") == host.module().has_cuda, op
+        assert not _registered_in_cpp(op, "CPU") and not _registered_in_cpp(op, "Autograd"), op
     assert str(torch.ops.compiled_moe.grouped_mm.default._schema) == (
         "compiled_moe::grouped_mm(Tensor a, Tensor b, Tensor offs, Tensor? bias=None, "
         "ScalarType? out_dtype=None) -> Tensor")
@@ -140,6 +144,95 @@ def test_route_errors_are_the_python_checks(case):
     assert type(cpp_error.value) is type(python_error.value)
     assert str(cpp_error.value) == str(python_error.value)
     host.module().check_moe_route(torch.zeros(2, 4, dtype=torch.int64), 4096, 8)  # good arguments pass
+
+
+_ROW_OPS = ("moe_permute", "moe_unpermute", "moe_unpermute_backward", "moe_activation",
+            "moe_activation_backward", "grouped_sum")
+
+
+def _bad_row_op_calls() -> dict:
+    """{case: (the Python check, the C++ check's name, arguments)} of the row ops."""
+    from compiled_moe.ops import activations, routing
+
+    T, k, H, rows = 3, 2, 8, 7
+    hidden, y = torch.randn(T, H), torch.randn(rows, H)
+    row_of = torch.zeros(T, k, dtype=torch.int32)
+    source = torch.zeros(rows, dtype=torch.int32)
+    w = torch.rand(T, k)
+    meta = torch.empty(T, k, dtype=torch.int32, device="meta")
+    permute = (routing._check_permute, "check_moe_permute")
+    unpermute = (routing._check_unpermute, "check_moe_unpermute")
+    unpermute_backward = (routing._check_unpermute_backward, "check_moe_unpermute_backward")
+    act = (activations.check_activation_input, "check_moe_activation")
+    act_backward = (activations._check_backward, "check_moe_activation_backward")
+    h, grad = torch.randn(5, 8), torch.randn(5, 4)
+    offs = torch.tensor([2, 5], dtype=torch.int32)
+    return {
+        "permute hidden 1-D": (*permute, (hidden[0], row_of, source, None)),
+        "permute hidden int": (*permute, (hidden.int(), row_of, source, None)),
+        "permute row_of int64": (*permute, (hidden, row_of.long(), source, None)),
+        "permute row_of 1-D": (*permute, (hidden, row_of[0], source, None)),
+        "permute source 2-D": (*permute, (hidden, row_of, source[None], None)),
+        "permute source int64": (*permute, (hidden, row_of, source.long(), None)),
+        "permute row_of elsewhere": (*permute, (hidden, meta, source, None)),
+        "permute tokens differ": (*permute, (hidden[:2], row_of, source, None)),
+        "permute scale 1-D": (*permute, (hidden, row_of, source, w[0])),
+        "permute scale int": (*permute, (hidden, row_of, source, w.int())),
+        "permute scale shape": (*permute, (hidden, row_of, source, w[:2])),
+        "permute scale elsewhere": (*permute, (hidden, row_of, source, w.to("meta"))),
+        "unpermute rows differ": (*unpermute, (y[:5], row_of, source, None)),
+        "unpermute y 3-D": (*unpermute, (y[None], row_of, source, None)),
+        "unpermute weights shape": (*unpermute, (y, row_of, source, w[:, :1])),
+        "unpermute_backward columns differ": (*unpermute_backward, (hidden[:, :4], y, row_of, source, w)),
+        "unpermute_backward tokens differ": (*unpermute_backward, (hidden[:1], y, row_of, source, w)),
+        "unpermute_backward y rows": (*unpermute_backward, (hidden, y[:1], row_of, source, w)),
+        "activation name": (*act, (h, "swish", "stacked")),
+        "activation name quoted": (*act, (h, "it's", "stacked")),
+        "activation layout": (*act, (h, "swiglu", "split")),
+        "activation odd columns": (*act, (h[:, :7], "geglu", "interleaved")),
+        "activation h 3-D": (*act, (h[None], "silu", "stacked")),
+        "activation h int": (*act, (h.int(), "silu", "stacked")),
+        "activation_backward grad shape": (*act_backward, (grad[:, :3], h, "swiglu", "stacked")),
+        "activation_backward grad rows": (*act_backward, (grad, h[:4], "gelu", "stacked")),
+        "activation_backward grad int": (*act_backward, (grad.int(), h, "swiglu", "stacked")),
+        "activation_backward grad elsewhere": (*act_backward, (grad.to("meta"), h, "swiglu", "stacked")),
+        "grouped_sum x 1-D": (_check_grouped_sum_and_dtype, "check_grouped_sum", (h[0], offs, None)),
+        "grouped_sum offs int64": (_check_grouped_sum_and_dtype, "check_grouped_sum", (h, offs.long(), None)),
+        "grouped_sum offs 2-D": (_check_grouped_sum_and_dtype, "check_grouped_sum", (h, offs[None], None)),
+        "grouped_sum no groups": (_check_grouped_sum_and_dtype, "check_grouped_sum", (h, offs[:0], None)),
+        "grouped_sum offs elsewhere": (_check_grouped_sum_and_dtype, "check_grouped_sum", (h, offs.to("meta"), None)),
+        "grouped_sum out_dtype": (_check_grouped_sum_and_dtype, "check_grouped_sum", (h, offs, torch.int32)),
+    }
+
+
+def _check_grouped_sum_and_dtype(x, offs, out_dtype):
+    grouped_mm_ops._check_grouped_sum(x, offs, out_dtype)
+
+
+@pytest.mark.parametrize("case", sorted(_bad_row_op_calls()))
+def test_row_op_errors_are_the_python_checks(case):
+    """The row ops' C++ checks (their CUDA kernels make them): the Python checks' exception
+    types and messages, word for word; run here without a GPU."""
+    python_check, cpp_check, args = _bad_row_op_calls()[case]
+    with pytest.raises((TypeError, ValueError)) as python_error:
+        python_check(*args)
+    with pytest.raises((TypeError, ValueError)) as cpp_error:
+        getattr(host.module(), cpp_check)(*args)
+    assert type(cpp_error.value) is type(python_error.value)
+    assert str(cpp_error.value) == str(python_error.value)
+
+
+def test_row_op_checks_pass_good_arguments():
+    m = host.module()
+    hidden, y, w = torch.randn(3, 8), torch.randn(7, 8), torch.rand(3, 2)
+    row_of, source = torch.zeros(3, 2, dtype=torch.int32), torch.zeros(7, dtype=torch.int32)
+    m.check_moe_permute(hidden, row_of, source, w)
+    m.check_moe_unpermute(y, row_of, source, None)
+    m.check_moe_unpermute_backward(hidden, y, row_of, source, w)
+    for activation in ("swiglu", "geglu", "gpt_oss"):
+        m.check_moe_activation_backward(torch.randn(5, 4), torch.randn(5, 8), activation, "interleaved")
+    m.check_moe_activation_backward(torch.randn(5, 7), torch.randn(5, 7), "relu2", "stacked")
+    m.check_grouped_sum(torch.randn(5, 8), torch.tensor([2, 5], dtype=torch.int32), torch.float32)
 
 
 @pytest.mark.parametrize("transposed", [True, False])

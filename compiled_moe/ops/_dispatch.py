@@ -137,6 +137,8 @@ def call_op(name: str, *args, checked: bool = False, **kwargs):
     straight skips them (kernel_op's ``unchecked``). A dispatched call still makes them."""
     op = _KERNEL_OPS[name]
     t = args[0]
+    if "CUDA" in op.host_keys and t.device.type == "cuda":  # the C++ kernel beats the Python one
+        return getattr(torch.ops.compiled_moe, name)(*args, **kwargs)
     if (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
             and is_real_tensor(t) and t.device.type in op.device_types
             and not (torch.is_grad_enabled() and torch._C._any_requires_grad(*args, **kwargs))):
@@ -192,6 +194,21 @@ def kernel_op(name: str, *, device_types=("cuda",), traced: bool = False,
         if autograd == "raise":
             op.register_autograd(functools.partial(_no_backward, name))
         return op
+
+    return register
+
+
+def host_row_op(name: str):
+    """kernel_op's ``host`` for the row ops whose CUDA kernel the C++ host layer has
+    (csrc/host/rows.cpp): its checks and the launch of csrc/moe_rows.cu's kernels; the op's
+    Python kernel serves what those do not take (float64, GPUs before sm_80). Needs NVRTC
+    (cuda-python) for the kernels."""
+    def register(module) -> list[str]:
+        from compiled_moe import native
+
+        if not (module.has_cuda and native.available()):
+            return []
+        return module.register_row_op(name, lambda *args: _KERNEL_OPS[name]._kernel(*args))
 
     return register
 

@@ -23,6 +23,7 @@ from compiled_moe.ops._dispatch import (
     call_op,
     check_same_device,
     check_tensor,
+    host_row_op,
     kernel_op,
     on_tensor_device,
     use_kernel,
@@ -62,7 +63,7 @@ def activation_constants(activation: str, alpha: float, limit: float) -> dict:
 
 
 @kernel_op("moe_activation", device_types=("cuda", "cpu"), traced=True,
-           autograd="formula")
+           autograd="formula", host=host_row_op("moe_activation"))
 @on_tensor_device
 def _moe_activation(h: Tensor, activation: str, gate_up_layout: str = "stacked",
                     alpha: float = reference.GPT_OSS_ALPHA,
@@ -91,7 +92,8 @@ def _check_backward(grad, h, activation, gate_up_layout) -> None:
                          f"got {tuple(grad.shape)}")
 
 
-@kernel_op("moe_activation_backward", device_types=("cuda", "cpu"), traced=True)
+@kernel_op("moe_activation_backward", device_types=("cuda", "cpu"), traced=True,
+           host=host_row_op("moe_activation_backward"))
 @on_tensor_device
 def _moe_activation_backward(grad: Tensor, h: Tensor, activation: str,
                              gate_up_layout: str = "stacked",

@@ -32,6 +32,7 @@ from compiled_moe.ops._dispatch import (
     check_same_device,
     check_same_dtype,
     check_tensor,
+    host_row_op,
     is_transposed_weight,
     kernel_op,
     on_tensor_device,
@@ -370,7 +371,7 @@ def _check_grouped_sum(x, offs, out_dtype) -> None:
 
 
 @kernel_op("grouped_sum", device_types=("cuda", "cpu"), traced=True,
-           autograd="formula")
+           autograd="formula", host=host_row_op("grouped_sum"))
 @on_tensor_device
 def _grouped_sum(x: Tensor, offs: Tensor, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     _check_grouped_sum(x, offs, out_dtype)

@@ -26,6 +26,7 @@ from compiled_moe.ops._dispatch import (
     call_op,
     check_same_device,
     check_tensor,
+    host_row_op,
     kernel_op,
     on_tensor_device,
     use_kernel,
@@ -181,7 +182,7 @@ def _check_unpermute(y, row_of, source, weights) -> None:
 
 
 @kernel_op("moe_permute", device_types=("cuda", "cpu"), traced=True,
-           autograd="formula")
+           autograd="formula", host=host_row_op("moe_permute"))
 @on_tensor_device
 def _moe_permute(hidden: Tensor, row_of: Tensor, source: Tensor,
                  scale: Optional[Tensor] = None) -> Tensor:
@@ -219,7 +220,7 @@ _moe_permute.register_autograd(_permute_backward, setup_context=_permute_setup)
 
 
 @kernel_op("moe_unpermute", device_types=("cuda", "cpu"), traced=True,
-           autograd="formula")
+           autograd="formula", host=host_row_op("moe_unpermute"))
 @on_tensor_device
 def _moe_unpermute(y: Tensor, row_of: Tensor, source: Tensor,
                    weights: Optional[Tensor] = None) -> Tensor:
@@ -271,7 +272,8 @@ def _check_unpermute_backward(grad_out, y, row_of, source, weights) -> None:
                          "they must match")
 
 
-@kernel_op("moe_unpermute_backward", device_types=("cuda", "cpu"), traced=True)
+@kernel_op("moe_unpermute_backward", device_types=("cuda", "cpu"), traced=True,
+           host=host_row_op("moe_unpermute_backward"))
 @on_tensor_device
 def _moe_unpermute_backward(grad_out: Tensor, y: Tensor, row_of: Tensor, source: Tensor,
                             weights: Tensor) -> tuple[Tensor, Tensor]:

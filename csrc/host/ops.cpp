@@ -26,107 +26,18 @@
 #include <unordered_map>
 #include <vector>
 
+#include "checks.h"
+#include "rows.h"
 #include "text.h"
 
 #if __has_include(<cuda.h>)
 #define COMPILED_MOE_CUDA 1
 #include "cuda_driver.h"
+#include "kernels.h"
 #endif
 
 namespace compiled_moe {
 namespace {
-
-// ------------------------------------------------------------------------------ checks
-// The same errors, word for word, as compiled_moe/ops/_dispatch.py's checks (tests compare
-// them): ValueError for shapes and devices, TypeError for dtypes. Sizes are read as SymInts:
-// under torch.compile the tensors are symbolic, and an int size would pin the token count.
-//
-// A failed check sets the Python exception itself and throws torch's python_error, which the
-// dispatcher's Python boundary turns back into that exception (as for a Python kernel's
-// error). Messages are built with cat (text.h), never c10::str: see there.
-[[noreturn]] void raise_python(PyObject* type, const std::string& message) {
-  pybind11::gil_scoped_acquire gil;
-  PyErr_SetString(type, message.c_str());
-  python_error error;
-  error.persist();
-  throw error;
-}
-
-#define CM_CHECK_VALUE(cond, ...) \
-  do {                            \
-    if (C10_UNLIKELY(!(cond))) raise_python(PyExc_ValueError, cat(__VA_ARGS__)); \
-  } while (0)
-#define CM_CHECK_TYPE(cond, ...) \
-  do {                           \
-    if (C10_UNLIKELY(!(cond))) raise_python(PyExc_TypeError, cat(__VA_ARGS__)); \
-  } while (0)
-
-std::string dtype_name(c10::ScalarType t) {
-  switch (t) {
-    case c10::ScalarType::Float: return "torch.float32";
-    case c10::ScalarType::Double: return "torch.float64";
-    case c10::ScalarType::Half: return "torch.float16";
-    case c10::ScalarType::BFloat16: return "torch.bfloat16";
-    case c10::ScalarType::Int: return "torch.int32";
-    case c10::ScalarType::Long: return "torch.int64";
-    case c10::ScalarType::Short: return "torch.int16";
-    case c10::ScalarType::Char: return "torch.int8";
-    case c10::ScalarType::Byte: return "torch.uint8";
-    case c10::ScalarType::Bool: return "torch.bool";
-    case c10::ScalarType::Float8_e4m3fn: return "torch.float8_e4m3fn";
-    case c10::ScalarType::Float8_e5m2: return "torch.float8_e5m2";
-    default: return std::string("torch.") + c10::toString(t);
-  }
-}
-
-// A size as Python prints it (symbolic sizes, under torch.compile, by their expression).
-std::string size_str(const c10::SymInt& size) {
-  if (auto value = size.maybe_as_int()) return std::to_string(*value);
-  return size.toSymNode()->str();
-}
-
-// A shape as Python prints a tuple: (4, 5), (4,), ().
-std::string shape_str(c10::SymIntArrayRef shape) {
-  std::string s = "(";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + size_str(shape[i]);
-  return s + (shape.size() == 1 ? ",)" : ")");
-}
-
-bool is_op_dtype(c10::ScalarType t) {
-  return t == c10::kBFloat16 || t == c10::kHalf || t == c10::kFloat || t == c10::kDouble;
-}
-
-constexpr const char* kOpDtypes = "bfloat16, float16, float32, float64";
-
-void check_tensor(const char* name, const at::Tensor& t, int64_t ndim) {
-  CM_CHECK_VALUE(t.dim() == ndim, name, " must be ", ndim, "-D, got shape ", shape_str(t.sym_sizes()));
-  CM_CHECK_TYPE(is_op_dtype(t.scalar_type()), name, " must have dtype in (", kOpDtypes, "), got ",
-                   dtype_name(t.scalar_type()));
-}
-
-void check_same_dtype(const char* ref_name, const at::Tensor& ref, const char* name, const at::Tensor& t) {
-  CM_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), name, " has dtype ", dtype_name(t.scalar_type()),
-                   " but ", ref_name, " has ", dtype_name(ref.scalar_type()), "; they must match");
-}
-
-void check_same_device(const char* ref_name, const at::Tensor& ref, const char* name, const at::Tensor& t) {
-  CM_CHECK_VALUE(t.device() == ref.device(), name, " is on ", t.device().str(), " but ", ref_name,
-                    " is on ", ref.device().str());
-}
-
-void check_offs(const at::Tensor& offs, const c10::SymInt& num_groups) {
-  CM_CHECK_TYPE(offs.scalar_type() == c10::kInt,
-                   "offs must be int32 (cumulative end row of each group), got ", dtype_name(offs.scalar_type()));
-  CM_CHECK_VALUE(offs.dim() == 1 && offs.sym_size(0) == num_groups, "offs must have shape (", size_str(num_groups),
-                    ",), one entry per group, got ", shape_str(offs.sym_sizes()));
-  CM_CHECK_VALUE(num_groups >= 1, "need at least one group");
-}
-
-void check_out_dtype(std::optional<c10::ScalarType> out_dtype) {
-  CM_CHECK_TYPE(!out_dtype || is_op_dtype(*out_dtype),
-                   "out_dtype must be one of (torch.bfloat16, torch.float16, torch.float32, torch.float64) "
-                   "or None, got ", out_dtype ? dtype_name(*out_dtype) : "None");
-}
 
 // compiled_moe/ops/grouped_mm.py's _check_grouped_mm.
 void check_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
@@ -155,10 +66,7 @@ void check_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& grad_out, con
   check_tensor("a", a, 2);
   check_tensor("grad_out", grad_out, 2);
   check_same_dtype("a", a, "grad_out", grad_out);
-  CM_CHECK_TYPE(offs.scalar_type() == c10::kInt,
-                "offs must be int32 (cumulative end row of each group), got ", dtype_name(offs.scalar_type()));
-  CM_CHECK_VALUE(offs.dim() == 1, "offs must have shape (G,), one entry per group, got ", shape_str(offs.sym_sizes()));
-  CM_CHECK_VALUE(offs.sym_size(0) >= 1, "need at least one group");
+  check_offs(offs);
   check_same_device("a", a, "grad_out", grad_out);
   check_same_device("a", a, "offs", offs);
   CM_CHECK_VALUE(a.sym_size(0) == grad_out.sym_size(0), "a has ", size_str(a.sym_size(0)), " rows but grad_out has ",
@@ -526,57 +434,6 @@ at::Tensor grouped_mm_wgrad_cuda(const at::Tensor& a, const at::Tensor& grad_out
 
 // ------------------------------------------------------------------------------ the experts block
 
-// The handles of the route kernels (csrc/moe_route.cu) and of the experts block's row kernels
-// (csrc/moe_rows.cu) on a device, asked of Python once per device (compiled_moe/host.py's
-// route_kernels and row_kernels): moe_route needs only the first, so it runs where the row
-// kernels would not compile (before sm_80).
-struct RouteKernels {
-  CUfunction rank[2], place[2];  // by id dtype: int32, int64
-  static pybind11::object& ask() {
-    static pybind11::object* fn = new pybind11::object();
-    return *fn;
-  }
-  static RouteKernels read(const pybind11::tuple& t) {
-    auto f = [&t](int i) { return reinterpret_cast<CUfunction>(t[i].cast<int64_t>()); };
-    return {{f(0), f(1)}, {f(2), f(3)}};
-  }
-};
-
-struct RowKernels {
-  CUfunction gather, activation, combine;
-  unsigned sms;
-  static pybind11::object& ask() {
-    static pybind11::object* fn = new pybind11::object();
-    return *fn;
-  }
-  static RowKernels read(const pybind11::tuple& t) {
-    auto f = [&t](int i) { return reinterpret_cast<CUfunction>(t[i].cast<int64_t>()); };
-    return {f(0), f(1), f(2), static_cast<unsigned>(t[3].cast<int64_t>())};
-  }
-};
-
-template <typename Kernels>
-const Kernels& device_kernels(int device) {
-  static std::mutex mutex;
-  static std::unordered_map<int, Kernels> kernels;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    auto it = kernels.find(device);
-    if (it != kernels.end()) return it->second;
-  }
-  Kernels k;
-  {
-    pybind11::gil_scoped_acquire gil;
-    k = Kernels::read(Kernels::ask()(device).template cast<pybind11::tuple>());
-  }
-  std::lock_guard<std::mutex> lock(mutex);
-  return kernels.emplace(device, k).first->second;
-}
-
-unsigned grid_for(int64_t elements, unsigned sms) {  // grid-stride kernels: up to 8 blocks an SM
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((elements + 255) / 256, 8 * sms)));
-}
-
 // moe_route's CUDA kernels into offs (E,), row_of (T, k), source (T*k + E*(pad_multiple-1),):
 // the launch arithmetic of compiled_moe/ops/routing.py's _route_cuda (which serves where this
 // layer does not).
@@ -600,10 +457,6 @@ void route(const at::Tensor& ids, int64_t num_experts, int64_t pad_multiple, con
   void* place_args[] = {&ids_p, &row_of_p, &hist_p, &offs_p, &source_p, &n64, &source_rows, &experts,
                         &num_chunks, &chunk, &pad};
   launch(device, k.place[wide], num_chunks, block, 4 * (2 * num_experts + 32), place_args);
-}
-
-int weight_kind(c10::ScalarType t) {  // csrc/moe_rows.cu's kinds
-  return t == c10::kBFloat16 ? 0 : t == c10::kHalf ? 1 : 2;
 }
 
 // torch.ops.compiled_moe.moe_route's CUDA kernel: (offs, row_of, source) of the expert-sorted
@@ -673,10 +526,10 @@ at::Tensor moe_experts_forward(const at::Tensor& hidden, const at::Tensor& topk_
   at::Tensor out = at::empty({tokens, hidden_size}, options);
   {
     void *y_p = y.data_ptr(), *row_of_p = row_of.data_ptr(), *w_p = weights.data_ptr(), *out_p = out.data_ptr();
-    int64_t y_rows = y.size(0), tokens64 = tokens;
-    int32_t wkind = weight_kind(weights.scalar_type()), kk = static_cast<int32_t>(top_k),
+    int64_t y_rows = y.size(0), y_stride = y.stride(0), tokens64 = tokens;
+    int32_t wkind = element_kind(weights.scalar_type()), kk = static_cast<int32_t>(top_k),
             hidden32 = static_cast<int32_t>(hidden_size), kind32 = kind;
-    void* args[] = {&y_p, &y_rows, &row_of_p, &w_p, &wkind, &out_p, &tokens64, &kk, &hidden32, &kind32};
+    void* args[] = {&y_p, &y_rows, &y_stride, &row_of_p, &w_p, &wkind, &out_p, &tokens64, &kk, &hidden32, &kind32};
     launch(device, k.combine, grid_for(tokens * hidden_size, k.sms), 256, 0, args);
   }
   return out;
@@ -753,6 +606,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("check_moe_route", &compiled_moe::check_moe_route);
   // The weight gradient's checks alone (the CUDA kernel makes them), for tests on any machine.
   m.def("check_grouped_mm_wgrad", &compiled_moe::check_grouped_mm_wgrad);
+  compiled_moe::bind_rows(m);
 #ifdef COMPILED_MOE_CUDA
   m.attr("has_cuda") = true;
   m.def("launch_grouped_mm_sm90", [](const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,

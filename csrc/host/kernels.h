@@ -1,0 +1,79 @@
+// The NVRTC kernels the C++ host layer launches outside the GEMMs (csrc/moe_route.cu,
+// csrc/moe_rows.cu): their handles on a device, asked of Python once per device.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
+
+#include <torch/extension.h>
+
+#include "cuda_driver.h"
+
+namespace compiled_moe {
+
+// The handles of the route kernels (csrc/moe_route.cu) and of the experts block's row kernels
+// (csrc/moe_rows.cu) on a device, asked of Python once per device (compiled_moe/host.py's
+// route_kernels and row_kernels): moe_route needs only the first, so it runs where the row
+// kernels would not compile (before sm_80).
+struct RouteKernels {
+  CUfunction rank[2], place[2];  // by id dtype: int32, int64
+  static pybind11::object& ask() {
+    static pybind11::object* fn = new pybind11::object();
+    return *fn;
+  }
+  static RouteKernels read(const pybind11::object& answer) {
+    auto t = answer.cast<pybind11::tuple>();
+    auto f = [&t](int i) { return reinterpret_cast<CUfunction>(t[i].cast<int64_t>()); };
+    return {{f(0), f(1)}, {f(2), f(3)}};
+  }
+};
+
+// The row kernels need sm_80 (bf16 conversions): before it, Python answers None and the row
+// ops' Python kernels serve (available false).
+struct RowKernels {
+  bool available;
+  CUfunction gather, permute, activation, activation_backward, combine, pair_dot, grouped_sum;
+  unsigned sms;
+  static pybind11::object& ask() {
+    static pybind11::object* fn = new pybind11::object();
+    return *fn;
+  }
+  static RowKernels read(const pybind11::object& answer) {
+    if (answer.is_none()) return {};
+    auto t = answer.cast<pybind11::tuple>();
+    auto f = [&t](int i) { return reinterpret_cast<CUfunction>(t[i].cast<int64_t>()); };
+    return {true, f(0), f(1), f(2), f(3), f(4), f(5), f(6), static_cast<unsigned>(t[7].cast<int64_t>())};
+  }
+};
+
+template <typename Kernels>
+inline const Kernels& device_kernels(int device) {
+  static std::mutex mutex;
+  static std::unordered_map<int, Kernels> kernels;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = kernels.find(device);
+    if (it != kernels.end()) return it->second;
+  }
+  Kernels k;
+  {
+    pybind11::gil_scoped_acquire gil;
+    k = Kernels::read(Kernels::ask()(device));
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  return kernels.emplace(device, k).first->second;
+}
+
+// csrc/moe_rows.cu's element kinds: 0 bf16, 1 fp16, 2 fp32; -1 for the others (which the row
+// kernels do not take).
+inline int element_kind(c10::ScalarType t) {
+  return t == c10::kBFloat16 ? 0 : t == c10::kHalf ? 1 : t == c10::kFloat ? 2 : -1;
+}
+
+inline unsigned grid_for(int64_t elements, unsigned sms) {  // grid-stride kernels: up to 8 blocks an SM
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((elements + 255) / 256, 8 * sms)));
+}
+
+}  // namespace compiled_moe
