@@ -75,7 +75,10 @@ def grouped_mm_wgrad(a: Tensor, grad_out: Tensor, offs: Tensor,
     """out[g] = a_g^T @ grad_out_g, shape (G, K, N); empty groups give zeros."""
     cdt = _compute_dtype(a.dtype)
     one_hot = _group_one_hot(offs, a.shape[0], cdt)
-    out = torch.einsum("mg,mk,mn->gkn", one_hot, a.to(cdt), grad_out.to(cdt))
+    # Two operands: given three, torch.einsum asks opt_einsum (where installed) for a
+    # contraction order, which reads concrete sizes and pinned a dynamic compile's token count.
+    masked = one_hot[:, :, None] * a.to(cdt)[:, None, :]  # (M, G, K)
+    out = torch.einsum("mgk,mn->gkn", masked, grad_out.to(cdt))
     return out.to(out_dtype or a.dtype)
 
 
