@@ -42,6 +42,9 @@ def test_registrations_and_schema():
     # The route: its CUDA kernel (the op has no autograd); CPU stays the reference.
     assert _registered_in_cpp("moe_route", "CUDA") == host.module().has_cuda
     assert not _registered_in_cpp("moe_route", "CPU")
+    # The in-place weight gradient: its CUDA kernel, under its custom_op's Python layers.
+    assert _registered_in_cpp("grouped_mm_wgrad_accumulate_", "CUDA") == host.module().has_cuda
+    assert not _registered_in_cpp("grouped_mm_wgrad_accumulate_", "ADInplaceOrView")
     # The row ops: their CUDA kernels; autograd formulas and CPU paths stay Python's.
     for op in _ROW_OPS:
         assert _registered_in_cpp(op, "CUDA") == host.module().has_cuda, op
@@ -118,6 +121,44 @@ def test_wgrad_errors_are_the_python_checks(case):
     assert str(cpp_error.value) == str(python_error.value)
     good = (torch.randn(10, 8), torch.randn(10, 6), torch.tensor([3, 3, 9], dtype=torch.int32), None)
     host.module().check_grouped_mm_wgrad(*good)  # good arguments pass
+
+
+def _bad_wgrad_accumulate_calls():
+    main, a, g = torch.zeros(3, 8, 6), torch.randn(10, 8), torch.randn(10, 6)
+    offs = torch.tensor([3, 3, 9], dtype=torch.int32)
+    mask = torch.tensor([True, False, True])
+    return {
+        "main_grad 2-D": (main[0], a, g, offs, None),
+        "main_grad int": (main.int(), a, g, offs, None),
+        "main_grad expanded": (torch.zeros(1, 8, 6).expand(3, 8, 6), a, g, offs, None),
+        "a 1-D": (main, a[0], g, offs, None),
+        "dtypes differ": (main, a, g.double(), offs, None),
+        "offs too short": (main, a, g, offs[:2], None),
+        "rows differ": (main, a, g[:9], offs, None),
+        "main_grad elsewhere": (main.to("meta"), a, g, offs, None),
+        "main_grad shape": (main.mT, a, g, offs, None),
+        "mask elsewhere": (main, a, g, offs, mask.to("meta")),
+        "mask 2-D": (main, a, g, offs, mask[None]),
+        "mask int": (main, a, g, offs, mask.int()),
+        "mask shape": (main, a, g, offs, mask[:2]),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_wgrad_accumulate_calls()))
+def test_wgrad_accumulate_errors_are_the_python_checks(case):
+    """grouped_mm_wgrad_accumulate_'s C++ checks (its CUDA kernel makes them): the Python
+    checks' exception types and messages, word for word; run here without a GPU."""
+    args = _bad_wgrad_accumulate_calls()[case]
+    with pytest.raises((TypeError, ValueError)) as python_error:
+        grouped_mm_ops._check_wgrad_accumulate(*args)
+    with pytest.raises((TypeError, ValueError)) as cpp_error:
+        host.module().check_grouped_mm_wgrad_accumulate(*args)
+    assert type(cpp_error.value) is type(python_error.value)
+    assert str(cpp_error.value) == str(python_error.value)
+    main, a, g = torch.zeros(3, 8, 6), torch.randn(10, 8), torch.randn(10, 6)
+    offs, mask = torch.tensor([3, 3, 9], dtype=torch.int32), torch.tensor([True, False, True])
+    host.module().check_grouped_mm_wgrad_accumulate(main, a, g, offs, mask)  # good arguments pass
+    host.module().check_grouped_mm_wgrad_accumulate(torch.zeros(3, 6, 8).mT, a, g, offs, None)
 
 
 _BAD_ROUTES = {

@@ -183,7 +183,7 @@ def kernel_op(name: str, *, device_types=("cuda",), traced: bool = False,
     def register(body) -> KernelOp:
         _LIBRARY.define(name + torch.library.infer_schema(body, mutates_args=()))
         op = _KERNEL_OPS[name] = KernelOp(name, body, device_types, unchecked)
-        host_module = _host_layer() if host is not None else None
+        host_module = host_layer() if host is not None else None
         if host_module is not None:
             op.host_keys = frozenset(host(host_module))
         for device_type in device_types:
@@ -213,7 +213,8 @@ def host_row_op(name: str):
     return register
 
 
-def _host_layer():
+def host_layer():
+    """The C++ host layer's module (compiled_moe.host), or None where it is off or not built."""
     from compiled_moe import host
 
     return host.module()

@@ -10,6 +10,7 @@
 // decision on the first call at a shape and keeps it; later calls at that shape make no call
 // into Python.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/autograd.h>
 #include <torch/csrc/Exceptions.h>
@@ -72,6 +73,38 @@ void check_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& grad_out, con
   CM_CHECK_VALUE(a.sym_size(0) == grad_out.sym_size(0), "a has ", size_str(a.sym_size(0)), " rows but grad_out has ",
                  size_str(grad_out.sym_size(0)), "; they must match");
   check_out_dtype(out_dtype);
+}
+
+// compiled_moe/ops/grouped_mm.py's _check_wgrad_accumulate (with _check_wgrad and
+// check_accumulate_mask).
+void check_grouped_mm_wgrad_accumulate(const at::Tensor& main_grad, const at::Tensor& a, const at::Tensor& grad_out,
+                                       const at::Tensor& offs, const std::optional<at::Tensor>& accumulate_mask) {
+  check_tensor("main_grad", main_grad, 3);
+  // (some elements share memory, e.g. an expanded tensor: the kernels' tiles would race)
+  CM_CHECK_VALUE(at::has_internal_overlap(main_grad) != at::MemOverlap::Yes,
+                 "main_grad must not have elements that share memory (an expand()ed tensor, for instance)");
+  check_tensor("a", a, 2);
+  check_tensor("grad_out", grad_out, 2);
+  check_same_dtype("a", a, "grad_out", grad_out);
+  check_offs(offs, main_grad.sym_size(0));
+  check_same_device("a", a, "grad_out", grad_out);
+  check_same_device("a", a, "offs", offs);
+  CM_CHECK_VALUE(a.sym_size(0) == grad_out.sym_size(0), "a has ", size_str(a.sym_size(0)), " rows but grad_out has ",
+                 size_str(grad_out.sym_size(0)), "; they must match");
+  check_same_device("a", a, "main_grad", main_grad);
+  if (accumulate_mask) check_same_device("a", a, "accumulate_mask", *accumulate_mask);
+  const std::vector<c10::SymInt> expected = {main_grad.sym_size(0), a.sym_size(1), grad_out.sym_size(1)};
+  CM_CHECK_VALUE(main_grad.sym_sizes() == c10::SymIntArrayRef(expected), "main_grad must have shape (G, K, N) = ",
+                 shape_str(expected), " (pass a (G, N, K) buffer as main_grad.transpose(-2, -1)), got ",
+                 shape_str(main_grad.sym_sizes()));
+  if (accumulate_mask) {
+    check_dims("accumulate_mask", *accumulate_mask, 1);
+    CM_CHECK_TYPE(accumulate_mask->scalar_type() == c10::kBool, "accumulate_mask must have dtype in (bool), got ",
+                  dtype_name(accumulate_mask->scalar_type()));
+    CM_CHECK_VALUE(accumulate_mask->sym_size(0) == main_grad.sym_size(0), "accumulate_mask must have shape (",
+                   size_str(main_grad.sym_size(0)), ",), one entry per group, got ",
+                   shape_str(accumulate_mask->sym_sizes()));
+  }
 }
 
 // compiled_moe/ops/routing.py's _check_route.
@@ -379,12 +412,14 @@ pybind11::object& wgrad_fallback() {  // kernels/grouped_mm.py's Triton weight g
   return *fn;
 }
 
-// out[g] (P, Q) = a_g^T @ grad_out_g: kernels/grouped_mm_sm90.py's launch_wgrad, into a fresh
-// contiguous out. wgrad_tile_order picks between the fixed tile order and tiles claimed at
+// out[g] (P, Q) = a_g^T @ grad_out_g (accumulate: +=, for the groups whose accumulate_mask
+// entry is set, every group without a mask): kernels/grouped_mm_sm90.py's launch_wgrad, into
+// out with unit column stride. wgrad_tile_order picks between the fixed tile order and tiles claimed at
 // run time from offs on the device, and writes per-group copies of the operand maps; then both
 // kernels launch and the one not chosen returns at once.
 void launch_grouped_mm_wgrad_sm90(const at::Tensor& a, const at::Tensor& grad_out, const at::Tensor& offs,
-                                  const at::Tensor& out, const WgradPlan& plan) {
+                                  const at::Tensor& out, const WgradPlan& plan, bool accumulate = false,
+                                  const at::Tensor& accumulate_mask = at::Tensor()) {
   const int64_t M = a.size(0), P = a.size(1), Q = grad_out.size(1), G = out.size(0);
   const int device = a.device().index();
   ensure_context(device);
@@ -399,13 +434,13 @@ void launch_grouped_mm_wgrad_sm90(const at::Tensor& a, const at::Tensor& grad_ou
   const at::Tensor offs_c = offs.contiguous();
   void *offs_p = offs_c.data_ptr(), *order_p = order.data_ptr(), *maps_p = maps.data_ptr();
   int32_t m = M, p = P, q = Q, g = G, tiles = plan.tiles_per_group, rows_per_step = 64, claim_steps = 0,
-          grid = plan.grid, row_dim = 1, kind = out_kind(out.scalar_type()), accumulate = 0,
+          grid = plan.grid, row_dim = 1, kind = out_kind(out.scalar_type()), add = accumulate,
           stages = plan.num_stages;
-  void* mask = nullptr;  // every group written
+  void* mask = accumulate_mask.defined() ? accumulate_mask.data_ptr() : nullptr;  // null: every group
   void* order_args[] = {&offs_p, &m, &g, &tiles, &rows_per_step, &claim_steps, &grid, &order_p, &a_map, &g_map,
                         &maps_p, &row_dim};
   launch(device, plan.tile_order, 1, 256, kOrderScratchBytes, order_args);
-  void* args[] = {&a_map, &g_map, &out_map, &kind, &accumulate, &mask, &offs_p, &m, &p, &q, &g, &stages,
+  void* args[] = {&a_map, &g_map, &out_map, &kind, &add, &mask, &offs_p, &m, &p, &q, &g, &stages,
                   &maps_p, &order_p};
   launch(device, plan.function, plan.grid, kThreads, plan.shared_bytes, args);
   launch(device, plan.claimed, plan.grid, kThreads, plan.shared_bytes, args);
@@ -430,6 +465,40 @@ at::Tensor grouped_mm_wgrad_cuda(const at::Tensor& a, const at::Tensor& grad_out
     wgrad_fallback()(a, grad_out, offs, out);
   }
   return out;
+}
+
+pybind11::object& wgrad_accumulate_fallback() {  // the Triton kernel, the reference for float64
+  static pybind11::object* fn = new pybind11::object();
+  return *fn;
+}
+
+// main_grad[g] (+)= a_g^T @ grad_out_g in place: kernels/grouped_mm_sm90.py's grouped_mm_wgrad
+// with accumulate, the plan asked of Python as grouped_mm_wgrad's (host_wgrad_plan).
+void grouped_mm_wgrad_accumulate_cuda(const at::Tensor& main_grad, const at::Tensor& a, const at::Tensor& grad_out,
+                                      const at::Tensor& offs, const std::optional<at::Tensor>& accumulate_mask) {
+  check_grouped_mm_wgrad_accumulate(main_grad, a, grad_out, offs, accumulate_mask);
+  c10::DeviceGuard guard(a.device());
+  // A (G, N, K) buffer seen as (G, K, N): its transpose gets grad_out_g^T @ a_g.
+  const bool transposed = main_grad.stride(2) != 1;
+  const at::Tensor& lhs = transposed ? grad_out : a;
+  const at::Tensor& rhs = transposed ? a : grad_out;
+  const at::Tensor out = transposed ? main_grad.transpose(1, 2) : main_grad;
+  if (out.numel() == 0) return;
+  std::optional<WgradPlan> plan;
+  if (main_grad.scalar_type() == at::kFloat && a.size(0) > 0) {
+    ShapeKey key{{lhs.size(1), rhs.size(1), offs.size(0), lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1),
+                  static_cast<int64_t>(a.scalar_type()), out.stride(0), out.stride(1), a.device().index(),
+                  triton_forced(), 0}};
+    static PlanCache<WgradPlan> plans;
+    plan = plans.get(key, [&] { return wgrad_decide()(lhs, rhs, out); });
+  }
+  if (plan && tma_aligned({&a, &grad_out, &main_grad})) {
+    launch_grouped_mm_wgrad_sm90(lhs, rhs, offs, out, *plan, true,
+                                 accumulate_mask ? accumulate_mask->contiguous() : at::Tensor());
+  } else {
+    pybind11::gil_scoped_acquire gil;
+    wgrad_accumulate_fallback()(main_grad, a, grad_out, offs, accumulate_mask);
+  }
 }
 
 // ------------------------------------------------------------------------------ the experts block
@@ -577,6 +646,21 @@ std::vector<std::string> register_grouped_mm_wgrad(pybind11::object decide, pybi
 #endif
 }
 
+// compiled_moe::grouped_mm_wgrad_accumulate_'s CUDA kernel (the op's autograd and in-place
+// layers stay its custom_op's): the plans of grouped_mm_wgrad's decide (registered with it);
+// fallback(main_grad, a, grad_out, offs, accumulate_mask) for the rest. Returns the dispatch
+// keys registered.
+std::vector<std::string> register_grouped_mm_wgrad_accumulate(pybind11::object fallback) {
+#ifdef COMPILED_MOE_CUDA
+  wgrad_accumulate_fallback() = std::move(fallback);
+  library().impl("grouped_mm_wgrad_accumulate_",
+                 torch::dispatch(c10::DispatchKey::CUDA, TORCH_FN(grouped_mm_wgrad_accumulate_cuda)));
+  return {"CUDA"};
+#else
+  return {};
+#endif
+}
+
 // Registers this layer's kernels of compiled_moe::grouped_mm (defined by the Python package):
 // autograd for every device; CUDA where this build has the driver API. decide(a, b, bias, out)
 // gives the Hopper kernel's plan for a shape, or None where the kernel does not apply (out: an
@@ -606,6 +690,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("check_moe_route", &compiled_moe::check_moe_route);
   // The weight gradient's checks alone (the CUDA kernel makes them), for tests on any machine.
   m.def("check_grouped_mm_wgrad", &compiled_moe::check_grouped_mm_wgrad);
+  m.def("register_grouped_mm_wgrad_accumulate", &compiled_moe::register_grouped_mm_wgrad_accumulate);
+  m.def("check_grouped_mm_wgrad_accumulate", &compiled_moe::check_grouped_mm_wgrad_accumulate);
   compiled_moe::bind_rows(m);
 #ifdef COMPILED_MOE_CUDA
   m.attr("has_cuda") = true;
