@@ -7,7 +7,7 @@ Same process, same inputs. Tables:
          pay), against torch._grouped_mm on the same operands.
   block: the eager experts block (moe_experts, no grad) at T tokens, Qwen3-30B-A3B shape,
          against Hugging Face's grouped_mm experts backend, wall time per call (host and GPU
-         together, as a decoding model sees it), and forward+backward.
+         together, as a decoding model sees it), and forward+backward with its GPU kernel time.
 
   fp8:   the eager experts block's forward+backward with fp8_blockwise GEMMs against the same
          block in bf16, at the four model shapes (T from common.MODELS, skewed routing, weights
@@ -117,13 +117,17 @@ def block_rows(tokens_list):
                 "hf": lambda: grouped_mm_experts_forward(mod, hidden, ids, weights)}, wall_us, rounds=5)
         hidden_g = hidden.clone().requires_grad_()
         dy = torch.randn_like(hidden)
-        both = interleaved_medians({
+        steps = {
             "ours": lambda: cm.moe_experts(hidden_g, ids, weights, mod.gate_up_proj, mod.down_proj).backward(dy),
-            "hf": lambda: grouped_mm_experts_forward(mod, hidden_g, ids, weights).backward(dy)}, wall_us, rounds=5)
+            "hf": lambda: grouped_mm_experts_forward(mod, hidden_g, ids, weights).backward(dy)}
+        both = interleaved_medians(steps, wall_us, rounds=5)
+        gpu = {name: gpu_us(fn) for name, fn in steps.items()}  # GPU-bound where it nears the wall
         print(f"  T={tokens:4d} forward: ours {fwd['ours']:8.1f} HF {fwd['hf']:8.1f} ({fwd['hf'] / fwd['ours']:.2f}x)"
-              f" | fwd+bwd: ours {both['ours']:8.1f} HF {both['hf']:8.1f} ({both['hf'] / both['ours']:.2f}x)")
+              f" | fwd+bwd: ours {both['ours']:8.1f} (GPU {gpu['ours']:7.1f}) HF {both['hf']:8.1f} "
+              f"(GPU {gpu['hf']:7.1f}) ({both['hf'] / both['ours']:.2f}x)")
         rows.append(dict(table="block", tokens=tokens, fwd_us=fwd["ours"], hf_fwd_us=fwd["hf"],
-                         fwd_bwd_us=both["ours"], hf_fwd_bwd_us=both["hf"]))
+                         fwd_bwd_us=both["ours"], hf_fwd_bwd_us=both["hf"], fwd_bwd_gpu_us=gpu["ours"],
+                         hf_fwd_bwd_gpu_us=gpu["hf"]))
     return rows
 
 
