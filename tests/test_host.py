@@ -45,6 +45,8 @@ def test_registrations_and_schema():
     # The in-place weight gradient: its CUDA kernel, under its custom_op's Python layers.
     assert _registered_in_cpp("grouped_mm_wgrad_accumulate_", "CUDA") == host.module().has_cuda
     assert not _registered_in_cpp("grouped_mm_wgrad_accumulate_", "ADInplaceOrView")
+    assert _registered_in_cpp("grouped_quantize", "CUDA") == host.module().has_cuda
+    assert not _registered_in_cpp("grouped_quantize", "CPU")
     # The row ops: their CUDA kernels; autograd formulas and CPU paths stay Python's.
     for op in _ROW_OPS:
         assert _registered_in_cpp(op, "CUDA") == host.module().has_cuda, op
@@ -159,6 +161,43 @@ def test_wgrad_accumulate_errors_are_the_python_checks(case):
     offs, mask = torch.tensor([3, 3, 9], dtype=torch.int32), torch.tensor([True, False, True])
     host.module().check_grouped_mm_wgrad_accumulate(main, a, g, offs, mask)  # good arguments pass
     host.module().check_grouped_mm_wgrad_accumulate(torch.zeros(3, 6, 8).mT, a, g, offs, None)
+
+
+def _bad_quantize_calls():
+    x, w = torch.randn(10, 256), torch.randn(2, 128, 256)
+    offs = torch.tensor([3, 10], dtype=torch.int32)
+    return {
+        "recipe": (x, offs, "fp4", True, True),
+        "x 1-D": (x[0], offs, "fp8_blockwise", True, True),
+        "x 4-D": (w[None], None, "fp8_blockwise", True, False),
+        "x int": (x.int(), offs, "mxfp8", True, False),
+        "no output": (x, offs, "fp8_rowwise", False, False),
+        "offs with 3-D x": (w, offs, "fp8_blockwise", True, True),
+        "no offs for columns": (x, None, "fp8_blockwise", False, True),
+        "offs int64": (x, offs.long(), "fp8_blockwise", True, True),
+        "offs 2-D": (x, offs[None], "fp8_blockwise", True, True),
+        "no groups": (x, offs[:0], "fp8_blockwise", True, True),
+        "offs elsewhere": (x, offs.to("meta"), "fp8_blockwise", True, True),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_quantize_calls()))
+def test_quantize_errors_are_the_python_checks(case):
+    """grouped_quantize's C++ checks (its CUDA kernel makes them): the Python checks' exception
+    types and messages, word for word; run here without a GPU."""
+    from compiled_moe.ops import fp8
+
+    args = _bad_quantize_calls()[case]
+    with pytest.raises((TypeError, ValueError)) as python_error:
+        fp8._check_quantize(*args)
+    with pytest.raises((TypeError, ValueError)) as cpp_error:
+        host.module().check_grouped_quantize(*args)
+    assert type(cpp_error.value) is type(python_error.value)
+    assert str(cpp_error.value) == str(python_error.value)
+    offs = torch.tensor([3, 10], dtype=torch.int32)
+    host.module().check_grouped_quantize(torch.randn(10, 256), offs, "fp8_blockwise", True, True)
+    host.module().check_grouped_quantize(torch.randn(2, 128, 256), None, "mxfp8", True, True)
+    host.module().check_grouped_quantize(torch.randn(10, 256), None, "fp8_rowwise", True, False)
 
 
 _BAD_ROUTES = {

@@ -23,6 +23,7 @@ from compiled_moe import native
 from compiled_moe.kernels.activations import CODES, GATED  # the CUDA kernel's codes too
 from compiled_moe.kernels.configs import quantize_columns_cuda_config
 from compiled_moe.kernels.grouped_mm import _num_sms
+from compiled_moe.reference import fp8_column_slots
 
 RECIPES = ("fp8_blockwise",)  # mxfp8: see csrc/grouped_quantize.cu
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
@@ -82,6 +83,16 @@ def fits(x, recipe: str, slots: int) -> bool:
     return shared_bytes(x.dtype, 2, slots) <= _SHARED_LIMIT
 
 
+def _columns_launch(x, slots: int, rowwise: bool) -> tuple[str, int, int, int, int]:
+    """(kernel name, grid, shared bytes, stages, rows per band) of quantize_group_columns."""
+    K = x.shape[1]
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    cfg = quantize_columns_cuda_config(stage_bytes(x.dtype), shared_bytes(x.dtype, 0, slots), rowwise)
+    grid = max(1, min(cfg.ctas_per_sm * _num_sms(dev), slots * -(-K // 128)))
+    name = f"quantize_{'rows_columns' if rowwise else 'columns'}_fp8_blockwise_{_SUFFIX[x.dtype]}"
+    return name, grid, shared_bytes(x.dtype, cfg.num_stages, slots), cfg.num_stages, cfg.group_m
+
+
 def quantize_group_columns(x, offs, col_q, col_s, row_q, row_s, recipe: str,
                            slot_group=None) -> None:
     """Columnwise blocks of x (M, K) inside the groups of offs into col_q (K, M) / col_s (K, S)
@@ -94,18 +105,30 @@ def quantize_group_columns(x, offs, col_q, col_s, row_q, row_s, recipe: str,
     G, S = offs.shape[0], col_s.shape[1]
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     rowwise = row_q is not None
-    cfg = quantize_columns_cuda_config(stage_bytes(x.dtype), shared_bytes(x.dtype, 0, S), rowwise)
-    shared = shared_bytes(x.dtype, cfg.num_stages, S)
-    grid = max(1, min(cfg.ctas_per_sm * _num_sms(dev), S * -(-K // 128)))
+    name, grid, shared, stages, group_m = _columns_launch(x, S, rowwise)
     rq, rs = (row_q, row_s) if rowwise else (col_q, col_s)  # unused pointers when not rowwise
-    name = f"quantize_{'rows_columns' if rowwise else 'columns'}_{recipe}_{_SUFFIX[x.dtype]}"
     i32, i64 = native.int32, native.int64
     native.launch_driver(native.kernel("grouped_quantize", name, dev), grid, threads(x.dtype),
                          shared,
                          x, i64(x.stride(0)), offs.contiguous(), i32(M), i32(K), i32(G), i32(S),
-                         i32(max(1, slot_group or cfg.group_m)), i32(cfg.num_stages),
+                         i32(max(1, slot_group or group_m)), i32(stages),
                          col_q, i64(col_q.stride(0)), col_s, *_strides(col_s),
                          rq, i64(rq.stride(0)), rs, *_strides(rs))
+
+
+def host_plan(x, offs, rowwise: bool):
+    """The C++ host layer's question on its first grouped_quantize call at a shape (2-D x,
+    fp8_blockwise, columnwise output; csrc/host/quantize.cpp's ColumnsPlan): (kernel handle,
+    grid, threads, shared bytes, stages, rows per band, slots), or None where the kernel does
+    not take x (then the op's Python kernel serves). The address is checked at each call."""
+    recipe = "fp8_blockwise"
+    slots = fp8_column_slots(x.shape[0], offs.shape[0], recipe)
+    if not supported(x, recipe) or not fits(x, recipe, slots):
+        return None
+    dev = x.device.index
+    name, grid, shared, stages, group_m = _columns_launch(x, slots, rowwise)
+    handle = native.function_handle(native.kernel("grouped_quantize", name, dev), dev)
+    return handle, grid, threads(x.dtype), shared, stages, max(1, group_m), slots
 
 
 def _strides(scale):

@@ -154,7 +154,20 @@ def _quantize_outputs(x, offs, recipe, rowwise, columnwise, shape=None):
     return data, scale, col_data, col_scale
 
 
-@kernel_op("grouped_quantize", device_types=("cuda", "cpu"), traced=True)
+def _register_host_quantize(module) -> list[str]:
+    """The C++ host layer's grouped_quantize CUDA kernel (csrc/host/quantize.cpp): checks and
+    the columnwise CUDA kernel's launch for 2-D fp8_blockwise x (its plan asked of
+    quantize_cuda.host_plan once per shape); the op's Python kernel serves the rest."""
+    from compiled_moe import native
+
+    if not (module.has_cuda and native.available()):
+        return []
+    return module.register_grouped_quantize(
+        lambda x, offs, rowwise: _quantize_cuda().host_plan(x, offs, rowwise),
+        lambda *args: _grouped_quantize._kernel(*args))
+
+
+@kernel_op("grouped_quantize", device_types=("cuda", "cpu"), traced=True, host=_register_host_quantize)
 @on_tensor_device
 def _grouped_quantize(x: Tensor, offs: Optional[Tensor], recipe: str, rowwise: bool = True,
                       columnwise: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:

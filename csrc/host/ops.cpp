@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "checks.h"
-#include "rows.h"
+#include "bindings.h"
 #include "text.h"
 
 #if __has_include(<cuda.h>)
@@ -693,6 +693,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_grouped_mm_wgrad_accumulate", &compiled_moe::register_grouped_mm_wgrad_accumulate);
   m.def("check_grouped_mm_wgrad_accumulate", &compiled_moe::check_grouped_mm_wgrad_accumulate);
   compiled_moe::bind_rows(m);
+  compiled_moe::bind_quantize(m);
 #ifdef COMPILED_MOE_CUDA
   m.attr("has_cuda") = true;
   m.def("launch_grouped_mm_sm90", [](const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "checks.h"
-#include "rows.h"
+#include "bindings.h"
 
 #if __has_include(<cuda.h>)
 #define COMPILED_MOE_CUDA 1
