@@ -87,30 +87,26 @@ out["experts_block_memory"] = {"section": "The fused expert MLP (memory and kern
                "kernels_per_forward": [int(x) for x in r[16].split(',')]} for r in rows]}
 
 # eager host time
-hdr, rows = table_after('| eager call (us of host time) | layer on')
+hdr, rows = table_after('| eager call (us of host time) | this build')
 out["eager_host_time"] = {"section": "Eager calls: host time per op", "date": "2026-11-29",
-    "command": "python benchmarks/bench_eager.py --tables ops (layer off: COMPILED_MOE_HOST=0, earlier machine)",
-    "unit": "us of host time per call",
-    "cases": [{"call": r[0].replace('`', ''), "layer_on": num(r[1]), "torch_grouped_mm": num(r[2]) if r[2] else None,
-               "layer_off": num(r[3])} for r in rows]}
+    "command": "python benchmarks/bench_eager.py --tables ops (this build, and the day's first build)",
+    "unit": "us of host time per call", "peer": "torch._grouped_mm (its row; ratios against it)",
+    "cases": [{"call": r[0].replace('`', ''), "this_build": num(r[1]), "this_build_vs_torch": ratio_in(r[1]),
+               "first_build": num(r[2]), "first_build_vs_torch": ratio_in(r[2])} for r in rows]}
 hdr, rows = table_after('| T | forward: ours / HF (us)')
 def pair(s):
     a, b = s.split('(')[0].split('/'); return num(a), num(b)
 out["eager_experts_block"] = {"section": "Eager calls: the eager experts block (Qwen3-30B-A3B shape, skewed routing)", "date": "2026-11-29",
     "command": "python benchmarks/bench_eager.py --json eager.json", "peer": "Hugging Face grouped_mm experts backend, eager",
     "cases": [{"T": int(r[0]), "forward_us": dict(zip(["ours", "hf"], pair(r[1]))), "fwd_bwd_us": dict(zip(["ours", "hf"], pair(r[2]))),
+               "fwd_bwd_gpu_us": dict(zip(["ours", "hf"], pair(r[3]))),
                "forward_hf_over_ours": ratio_in(r[1]), "fwd_bwd_hf_over_ours": ratio_in(r[2])} for r in rows]}
 hdr, rows = table_after('| run | compiled_moe tokens/s')
-runs = []
-for r in rows:  # a run with several rounds lists them comma-separated
-    ours, hf = r[1].split(','), r[2].split(',')
-    for i, (a, b) in enumerate(zip(ours, hf)):
-        label = r[0].replace('`', '') + (f", round {i + 1}" if len(ours) > 1 else "")
-        runs.append({"run": label, "compiled_moe": num(a), "hf_grouped_mm": num(b)})
 out["generate"] = {"section": "Eager calls: Hugging Face generate()", "date": "2026-11-29",
-    "command": "python benchmarks/bench_eager.py --tables generate (and two same-model A/B scripts)",
-    "unit": "tokens/s, batch 1", "peer": "Hugging Face grouped_mm backend (batched_mm while decoding)",
-    "cases": runs}
+    "command": "python benchmarks/bench_eager.py --tables generate",
+    "unit": "tokens/s", "peer": "Hugging Face grouped_mm backend (batched_mm while decoding)",
+    "cases": [{"run": r[0], "compiled_moe": num(r[1]), "hf_grouped_mm": num(r[2]), "hf_eager": num(r[4])}
+              for r in rows]}
 hdr, rows = table_after('| model | FP8 moe_mlp, graph ms')
 out["fp8_mlp_step"] = {"section": "FP8: the FP8 MLP's training step", "date": "2026-11-27",
     "command": "python benchmarks/bench_activation_quantize.py --rounds 3",
