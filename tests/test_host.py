@@ -31,6 +31,16 @@ def _registered_in_cpp(op: str, key: str) -> bool:
                for line in dump.splitlines())
 
 
+def assert_same_error(python_check, cpp_check, *args):
+    """The C++ check raises the Python check's exception type and message, word for word."""
+    with pytest.raises((TypeError, ValueError)) as python_error:
+        python_check(*args)
+    with pytest.raises((TypeError, ValueError)) as cpp_error:
+        cpp_check(*args)
+    assert type(cpp_error.value) is type(python_error.value)
+    assert str(cpp_error.value) == str(python_error.value)
+
+
 def test_registrations_and_schema():
     assert _registered_in_cpp("grouped_mm", "Autograd")
     assert _registered_in_cpp("grouped_mm", "CUDA") == host.module().has_cuda
@@ -82,12 +92,7 @@ def _bad_grouped_mm_calls():
 def test_errors_are_the_python_checks(case):
     """The C++ checks raise the Python checks' exception types and messages, word for word."""
     args = _bad_grouped_mm_calls()[case]
-    with pytest.raises((TypeError, ValueError)) as python_error:
-        grouped_mm_ops._check_grouped_mm(*args)
-    with pytest.raises((TypeError, ValueError)) as cpp_error:
-        torch.ops.compiled_moe.grouped_mm(*args)
-    assert type(cpp_error.value) is type(python_error.value)
-    assert str(cpp_error.value) == str(python_error.value)
+    assert_same_error(grouped_mm_ops._check_grouped_mm, torch.ops.compiled_moe.grouped_mm, *args)
 
 
 def _bad_wgrad_calls():
@@ -113,14 +118,11 @@ def test_wgrad_errors_are_the_python_checks(case):
     exception types and messages, word for word; run here without a GPU."""
     from compiled_moe.ops._dispatch import check_out_dtype
 
-    a, g, offs, out_dtype = _bad_wgrad_calls()[case]
-    with pytest.raises((TypeError, ValueError)) as python_error:
+    def python_check(a, g, offs, out_dtype):
         grouped_mm_ops._check_wgrad(a, g, offs)
         check_out_dtype(out_dtype)
-    with pytest.raises((TypeError, ValueError)) as cpp_error:
-        host.module().check_grouped_mm_wgrad(a, g, offs, out_dtype)
-    assert type(cpp_error.value) is type(python_error.value)
-    assert str(cpp_error.value) == str(python_error.value)
+
+    assert_same_error(python_check, host.module().check_grouped_mm_wgrad, *_bad_wgrad_calls()[case])
     good = (torch.randn(10, 8), torch.randn(10, 6), torch.tensor([3, 3, 9], dtype=torch.int32), None)
     host.module().check_grouped_mm_wgrad(*good)  # good arguments pass
 
@@ -151,12 +153,8 @@ def test_wgrad_accumulate_errors_are_the_python_checks(case):
     """grouped_mm_wgrad_accumulate_'s C++ checks (its CUDA kernel makes them): the Python
     checks' exception types and messages, word for word; run here without a GPU."""
     args = _bad_wgrad_accumulate_calls()[case]
-    with pytest.raises((TypeError, ValueError)) as python_error:
-        grouped_mm_ops._check_wgrad_accumulate(*args)
-    with pytest.raises((TypeError, ValueError)) as cpp_error:
-        host.module().check_grouped_mm_wgrad_accumulate(*args)
-    assert type(cpp_error.value) is type(python_error.value)
-    assert str(cpp_error.value) == str(python_error.value)
+    assert_same_error(grouped_mm_ops._check_wgrad_accumulate, host.module().check_grouped_mm_wgrad_accumulate,
+                      *args)
     main, a, g = torch.zeros(3, 8, 6), torch.randn(10, 8), torch.randn(10, 6)
     offs, mask = torch.tensor([3, 3, 9], dtype=torch.int32), torch.tensor([True, False, True])
     host.module().check_grouped_mm_wgrad_accumulate(main, a, g, offs, mask)  # good arguments pass
@@ -188,12 +186,7 @@ def test_quantize_errors_are_the_python_checks(case):
     from compiled_moe.ops import fp8
 
     args = _bad_quantize_calls()[case]
-    with pytest.raises((TypeError, ValueError)) as python_error:
-        fp8._check_quantize(*args)
-    with pytest.raises((TypeError, ValueError)) as cpp_error:
-        host.module().check_grouped_quantize(*args)
-    assert type(cpp_error.value) is type(python_error.value)
-    assert str(cpp_error.value) == str(python_error.value)
+    assert_same_error(fp8._check_quantize, host.module().check_grouped_quantize, *args)
     offs = torch.tensor([3, 10], dtype=torch.int32)
     host.module().check_grouped_quantize(torch.randn(10, 256), offs, "fp8_blockwise", True, True)
     host.module().check_grouped_quantize(torch.randn(2, 128, 256), None, "mxfp8", True, True)
@@ -217,12 +210,7 @@ def test_route_errors_are_the_python_checks(case):
     from compiled_moe.ops import routing
 
     ids, num_experts, pad = _BAD_ROUTES[case]
-    with pytest.raises((TypeError, ValueError)) as python_error:
-        routing._check_route(ids, num_experts, pad)
-    with pytest.raises((TypeError, ValueError)) as cpp_error:
-        host.module().check_moe_route(ids, num_experts, pad)
-    assert type(cpp_error.value) is type(python_error.value)
-    assert str(cpp_error.value) == str(python_error.value)
+    assert_same_error(routing._check_route, host.module().check_moe_route, ids, num_experts, pad)
     host.module().check_moe_route(torch.zeros(2, 4, dtype=torch.int64), 4096, 8)  # good arguments pass
 
 
@@ -294,12 +282,7 @@ def test_row_op_errors_are_the_python_checks(case):
     """The row ops' C++ checks (their CUDA kernels make them): the Python checks' exception
     types and messages, word for word; run here without a GPU."""
     python_check, cpp_check, args = _bad_row_op_calls()[case]
-    with pytest.raises((TypeError, ValueError)) as python_error:
-        python_check(*args)
-    with pytest.raises((TypeError, ValueError)) as cpp_error:
-        getattr(host.module(), cpp_check)(*args)
-    assert type(cpp_error.value) is type(python_error.value)
-    assert str(cpp_error.value) == str(python_error.value)
+    assert_same_error(python_check, getattr(host.module(), cpp_check), *args)
 
 
 def test_row_op_checks_pass_good_arguments():

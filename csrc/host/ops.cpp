@@ -61,17 +61,24 @@ void check_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
   check_out_dtype(out_dtype);
 }
 
-// compiled_moe/ops/grouped_mm.py's _check_wgrad and check_out_dtype (offs gives G).
-void check_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& grad_out, const at::Tensor& offs,
-                            std::optional<c10::ScalarType> out_dtype) {
+// compiled_moe/ops/grouped_mm.py's _check_wgrad (num_groups: the groups offs must have).
+void check_wgrad(const at::Tensor& a, const at::Tensor& grad_out, const at::Tensor& offs,
+                 const std::optional<c10::SymInt>& num_groups) {
   check_tensor("a", a, 2);
   check_tensor("grad_out", grad_out, 2);
   check_same_dtype("a", a, "grad_out", grad_out);
-  check_offs(offs);
+  if (num_groups) check_offs(offs, *num_groups);
+  else check_offs(offs);
   check_same_device("a", a, "grad_out", grad_out);
   check_same_device("a", a, "offs", offs);
   CM_CHECK_VALUE(a.sym_size(0) == grad_out.sym_size(0), "a has ", size_str(a.sym_size(0)), " rows but grad_out has ",
                  size_str(grad_out.sym_size(0)), "; they must match");
+}
+
+// grouped_mm_wgrad's checks: _check_wgrad and check_out_dtype.
+void check_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& grad_out, const at::Tensor& offs,
+                            std::optional<c10::ScalarType> out_dtype) {
+  check_wgrad(a, grad_out, offs, std::nullopt);
   check_out_dtype(out_dtype);
 }
 
@@ -83,14 +90,7 @@ void check_grouped_mm_wgrad_accumulate(const at::Tensor& main_grad, const at::Te
   // (some elements share memory, e.g. an expanded tensor: the kernels' tiles would race)
   CM_CHECK_VALUE(at::has_internal_overlap(main_grad) != at::MemOverlap::Yes,
                  "main_grad must not have elements that share memory (an expand()ed tensor, for instance)");
-  check_tensor("a", a, 2);
-  check_tensor("grad_out", grad_out, 2);
-  check_same_dtype("a", a, "grad_out", grad_out);
-  check_offs(offs, main_grad.sym_size(0));
-  check_same_device("a", a, "grad_out", grad_out);
-  check_same_device("a", a, "offs", offs);
-  CM_CHECK_VALUE(a.sym_size(0) == grad_out.sym_size(0), "a has ", size_str(a.sym_size(0)), " rows but grad_out has ",
-                 size_str(grad_out.sym_size(0)), "; they must match");
+  check_wgrad(a, grad_out, offs, main_grad.sym_size(0));
   check_same_device("a", a, "main_grad", main_grad);
   if (accumulate_mask) check_same_device("a", a, "accumulate_mask", *accumulate_mask);
   const std::vector<c10::SymInt> expected = {main_grad.sym_size(0), a.sym_size(1), grad_out.sym_size(1)};
