@@ -6,10 +6,11 @@ torch.ops.compiled_moe.moe_unpermute  out[t] = sum_s w[t, s] * y[row_of[t, s]]  
 
 moe_route is an opaque op (``kernel_op``: no autograd, integer outputs). Small routings run one
 Triton program, which compiled graphs launch themselves (``register_traced``); larger ones the
-NVRTC kernels of csrc/moe_route.cu. Where the C++ host layer loads, an eager CUDA call runs
-those NVRTC kernels from C++ at every size (csrc/host/ops.cpp's moe_route_cuda). The other two launch Triton kernels that compiled graphs
-trace (``kernel_op(traced=True)``, as a ``triton_op``). On CPU every op runs its reference
-(compiled_moe.reference).
+NVRTC kernels of csrc/moe_route.cu. The other two launch Triton kernels that compiled graphs
+trace (``kernel_op(traced=True)``, as a ``triton_op``). Where the C++ host layer loads, an eager
+CUDA call of each runs its C++ kernel instead (csrc/host/ops.cpp's moe_route_cuda: the NVRTC
+route kernels at every size; csrc/host/rows.cpp: csrc/moe_rows.cu's kernels). On CPU every op
+runs its reference (compiled_moe.reference).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-// The C++ host layer's ops: what an eager call of torch.ops.compiled_moe.grouped_mm (and of
-// grouped_mm_wgrad, its backward's weight gradient) runs, from the dispatcher to the driver
-// without Python (argument checks, autograd, the device guard, tensor maps, the launch on
-// torch's current stream).
+// The C++ host layer's GEMM and routing ops, and its extension module: what an eager call of
+// torch.ops.compiled_moe.grouped_mm, grouped_mm_wgrad, grouped_mm_wgrad_accumulate_ and
+// moe_route runs, and the experts block's forward in one call, from the dispatcher to the
+// driver without Python (argument checks, autograd, the device guard, tensor maps, the launch
+// on torch's current stream). The row ops are in rows.cpp, grouped_quantize in quantize.cpp.
 //
 // Python keeps what a compiled graph needs (schemas, fake functions, the traced bodies that
 // inductor inlines, the CPU reference) and what is chosen once per problem shape: whether the
@@ -27,8 +28,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "checks.h"
 #include "bindings.h"
+#include "checks.h"
 #include "text.h"
 
 #if __has_include(<cuda.h>)
@@ -414,9 +415,9 @@ pybind11::object& wgrad_fallback() {  // kernels/grouped_mm.py's Triton weight g
 
 // out[g] (P, Q) = a_g^T @ grad_out_g (accumulate: +=, for the groups whose accumulate_mask
 // entry is set, every group without a mask): kernels/grouped_mm_sm90.py's launch_wgrad, into
-// out with unit column stride. wgrad_tile_order picks between the fixed tile order and tiles claimed at
-// run time from offs on the device, and writes per-group copies of the operand maps; then both
-// kernels launch and the one not chosen returns at once.
+// out with unit column stride. wgrad_tile_order picks between the fixed tile order and tiles
+// claimed at run time from offs on the device, and writes per-group copies of the operand
+// maps; then both kernels launch and the one not chosen returns at once.
 void launch_grouped_mm_wgrad_sm90(const at::Tensor& a, const at::Tensor& grad_out, const at::Tensor& offs,
                                   const at::Tensor& out, const WgradPlan& plan, bool accumulate = false,
                                   const at::Tensor& accumulate_mask = at::Tensor()) {
