@@ -115,6 +115,11 @@ def route_kernels(dev: int) -> tuple:
                  for step in ("rank", "place") for ids in ("i32", "i64"))
 
 
+# csrc/moe_rows.cu's kernels, in csrc/host/kernels.h's RowKernels order.
+ROW_KERNELS = ("moe_gather_rows", "moe_permute_rows", "moe_activation_rows", "moe_activation_backward_rows",
+               "moe_combine_rows", "moe_pair_dot", "grouped_sum_rows")
+
+
 def row_kernels(dev: int) -> tuple | None:
     """The layer's question, once per device: the row kernels' handles (csrc/moe_rows.cu) and
     the SM count (csrc/host/kernels.h's RowKernels); None before sm_80, where they do not
@@ -123,9 +128,7 @@ def row_kernels(dev: int) -> tuple | None:
 
     if torch.cuda.get_device_capability(dev) < (8, 0):
         return None
-    names = ("moe_gather_rows", "moe_permute_rows", "moe_activation_rows", "moe_activation_backward_rows",
-             "moe_combine_rows", "moe_pair_dot", "grouped_sum_rows")
-    return tuple(_handle("moe_rows", name, dev) for name in names) + (_num_sms(dev),)
+    return tuple(_handle("moe_rows", name, dev) for name in ROW_KERNELS) + (_num_sms(dev),)
 
 
 @functools.lru_cache(maxsize=None)

@@ -221,3 +221,18 @@ def test_quantize_cuda_dispatch_conditions(monkeypatch):
     assert quantize_cuda.shared_bytes(torch.bfloat16, 4, 640) <= 227 * 1024
     assert quantize_cuda.fits(torch.zeros(1, dtype=torch.bfloat16), "fp8_blockwise", 30000)
     assert not quantize_cuda.fits(torch.zeros(1), "fp8_blockwise", 30000)  # fp32 stages are twice as large
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_host_layer_kernels_compile(arch):
+    """The kernels the C++ host layer launches outside the GEMMs (csrc/moe_rows.cu, every one it
+    asks for, and csrc/moe_route.cu) compile for the GPUs it runs them on, without spills."""
+    from compiled_moe import host
+
+    for source, kernels in (("moe_rows", host.ROW_KERNELS),
+                            ("moe_route", [f"moe_route_{s}_{i}" for s in ("rank", "place") for i in ("i32", "i64")])):
+        path = native.csrc_dir() / f"{source}.cu"
+        log = native.ptxas_report(path, native.source_arch(path, arch))
+        for kernel in kernels:
+            assert f"Compiling entry function '{kernel}'" in log, (source, kernel, log)
+        assert not re.search(r"[1-9]\d* bytes spill stores", log), log
