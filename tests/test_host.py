@@ -233,6 +233,7 @@ def _bad_row_op_calls() -> dict:
     unpermute_backward = (routing._check_unpermute_backward, "check_moe_unpermute_backward")
     act = (activations.check_activation_input, "check_moe_activation")
     act_backward = (activations._check_backward, "check_moe_activation_backward")
+    grouped_sum = (grouped_mm_ops._check_grouped_sum, "check_grouped_sum")
     h, grad = torch.randn(5, 8), torch.randn(5, 4)
     offs = torch.tensor([2, 5], dtype=torch.int32)
     return {
@@ -264,17 +265,13 @@ def _bad_row_op_calls() -> dict:
         "activation_backward grad rows": (*act_backward, (grad, h[:4], "gelu", "stacked")),
         "activation_backward grad int": (*act_backward, (grad.int(), h, "swiglu", "stacked")),
         "activation_backward grad elsewhere": (*act_backward, (grad.to("meta"), h, "swiglu", "stacked")),
-        "grouped_sum x 1-D": (_check_grouped_sum_and_dtype, "check_grouped_sum", (h[0], offs, None)),
-        "grouped_sum offs int64": (_check_grouped_sum_and_dtype, "check_grouped_sum", (h, offs.long(), None)),
-        "grouped_sum offs 2-D": (_check_grouped_sum_and_dtype, "check_grouped_sum", (h, offs[None], None)),
-        "grouped_sum no groups": (_check_grouped_sum_and_dtype, "check_grouped_sum", (h, offs[:0], None)),
-        "grouped_sum offs elsewhere": (_check_grouped_sum_and_dtype, "check_grouped_sum", (h, offs.to("meta"), None)),
-        "grouped_sum out_dtype": (_check_grouped_sum_and_dtype, "check_grouped_sum", (h, offs, torch.int32)),
+        "grouped_sum x 1-D": (*grouped_sum, (h[0], offs, None)),
+        "grouped_sum offs int64": (*grouped_sum, (h, offs.long(), None)),
+        "grouped_sum offs 2-D": (*grouped_sum, (h, offs[None], None)),
+        "grouped_sum no groups": (*grouped_sum, (h, offs[:0], None)),
+        "grouped_sum offs elsewhere": (*grouped_sum, (h, offs.to("meta"), None)),
+        "grouped_sum out_dtype": (*grouped_sum, (h, offs, torch.int32)),
     }
-
-
-def _check_grouped_sum_and_dtype(x, offs, out_dtype):
-    grouped_mm_ops._check_grouped_sum(x, offs, out_dtype)
 
 
 @pytest.mark.parametrize("case", sorted(_bad_row_op_calls()))

@@ -36,6 +36,7 @@
 #define COMPILED_MOE_CUDA 1
 #include "cuda_driver.h"
 #include "kernels.h"
+#include "plans.h"
 #endif
 
 namespace compiled_moe {
@@ -290,53 +291,12 @@ void launch_grouped_mm_sm90(const at::Tensor& a, const at::Tensor& b, const at::
   }
 }
 
-// What a shape decides (kernel or not, and the plan), keyed by everything the decision reads.
-struct ShapeKey {
-  std::array<int64_t, 13> v;
-  bool operator==(const ShapeKey& o) const { return v == o.v; }
-};
-struct ShapeKeyHash {
-  size_t operator()(const ShapeKey& k) const {
-    size_t h = 0;
-    for (auto x : k.v) h ^= std::hash<int64_t>()(x) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
-    return h;
-  }
-};
-constexpr size_t kMaxDecisions = 8192;
-
-// The decisions of one op, per shape: a plan, or none where its Hopper kernel does not apply.
-// A miss asks Python (under the GIL) once; prompts of many lengths fill it, so past
-// kMaxDecisions it starts over.
-template <typename Plan>
-class PlanCache {
- public:
-  template <typename Ask>
-  std::optional<Plan> get(const ShapeKey& key, Ask ask) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      auto it = plans_.find(key);
-      if (it != plans_.end()) return it->second;
-    }
-    std::optional<Plan> plan;
-    {
-      pybind11::gil_scoped_acquire gil;
-      pybind11::object p = ask();
-      if (!p.is_none()) plan = read(p);
-    }
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (plans_.size() >= kMaxDecisions) plans_.clear();
-    plans_.emplace(key, plan);
-    return plan;
-  }
-
- private:
-  static Plan read(const pybind11::handle& p);
-  std::mutex mutex_;
-  std::unordered_map<ShapeKey, std::optional<Plan>, ShapeKeyHash> plans_;
-};
+}  // namespace
 
 template <>
 ForwardPlan PlanCache<ForwardPlan>::read(const pybind11::handle& p) { return read_plan(p); }
+
+namespace {
 
 pybind11::object& grouped_mm_decide() {  // kernels/grouped_mm_sm90.py's host_plan
   static pybind11::object* fn = new pybind11::object();
@@ -396,6 +356,8 @@ struct WgradPlan {
   int num_stages, tiles_per_group;
 };
 
+}  // namespace
+
 template <>
 WgradPlan PlanCache<WgradPlan>::read(const pybind11::handle& p) {
   auto t = p.cast<pybind11::tuple>();
@@ -403,6 +365,8 @@ WgradPlan PlanCache<WgradPlan>::read(const pybind11::handle& p) {
   return {reinterpret_cast<CUfunction>(i(0)), reinterpret_cast<CUfunction>(i(1)), reinterpret_cast<CUfunction>(i(2)),
           static_cast<unsigned>(i(3)), static_cast<unsigned>(i(4)), static_cast<int>(i(5)), static_cast<int>(i(6))};
 }
+
+namespace {
 
 pybind11::object& wgrad_decide() {  // kernels/grouped_mm_sm90.py's host_wgrad_plan
   static pybind11::object* fn = new pybind11::object();

@@ -11,11 +11,9 @@
 #include <torch/library.h>
 
 #include <array>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
-#include <unordered_map>
 
 #include "bindings.h"
 #include "checks.h"
@@ -23,6 +21,7 @@
 #if __has_include(<cuda.h>)
 #define COMPILED_MOE_CUDA 1
 #include "cuda_driver.h"
+#include "plans.h"
 #endif
 
 namespace compiled_moe {
@@ -73,41 +72,24 @@ pybind11::object& python_kernel() {  // the op's Python kernel
 
 using Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-// The plan of 2-D x at its shape, or none where the CUDA kernel does not take it. Prompts of
-// many lengths fill the cache, so past 8192 shapes it starts over.
+}  // namespace
+
+template <>
+ColumnsPlan PlanCache<ColumnsPlan>::read(const pybind11::handle& p) {
+  auto t = p.cast<pybind11::tuple>();
+  auto i = [&t](int k) { return t[k].cast<int64_t>(); };
+  return {reinterpret_cast<CUfunction>(i(0)), static_cast<unsigned>(i(1)), static_cast<unsigned>(i(2)),
+          static_cast<unsigned>(i(3)), static_cast<int>(i(4)), static_cast<int>(i(5)), i(6)};
+}
+
+namespace {
+
+// The plan of 2-D x at its shape, or none where the CUDA kernel does not take it.
 std::optional<ColumnsPlan> plan_for(const at::Tensor& x, const at::Tensor& offs, bool rowwise) {
-  using Key = std::array<int64_t, 7>;
-  struct Hash {
-    size_t operator()(const Key& k) const {
-      size_t h = 0;
-      for (auto v : k) h ^= std::hash<int64_t>()(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
-      return h;
-    }
-  };
-  static std::mutex mutex;
-  static std::unordered_map<Key, std::optional<ColumnsPlan>, Hash> plans;
-  const Key key{x.size(0), x.size(1), offs.size(0), x.stride(0), x.stride(1),
-                static_cast<int64_t>(x.scalar_type()) * 2 + rowwise, x.device().index()};
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    auto it = plans.find(key);
-    if (it != plans.end()) return it->second;
-  }
-  std::optional<ColumnsPlan> plan;
-  {
-    pybind11::gil_scoped_acquire gil;
-    pybind11::object p = columns_plan()(x, offs, rowwise);
-    if (!p.is_none()) {
-      auto t = p.cast<pybind11::tuple>();
-      auto i = [&t](int k) { return t[k].cast<int64_t>(); };
-      plan = ColumnsPlan{reinterpret_cast<CUfunction>(i(0)), static_cast<unsigned>(i(1)), static_cast<unsigned>(i(2)),
-                         static_cast<unsigned>(i(3)), static_cast<int>(i(4)), static_cast<int>(i(5)), i(6)};
-    }
-  }
-  std::lock_guard<std::mutex> lock(mutex);
-  if (plans.size() >= 8192) plans.clear();
-  plans.emplace(key, plan);
-  return plan;
+  static PlanCache<ColumnsPlan> plans;
+  const ShapeKey key{{x.size(0), x.size(1), offs.size(0), x.stride(0), x.stride(1), static_cast<int64_t>(x.scalar_type()),
+                      rowwise, x.device().index(), 0, 0, 0, 0, 0}};
+  return plans.get(key, [&] { return columns_plan()(x, offs, rowwise); });
 }
 
 Outputs grouped_quantize_cuda(const at::Tensor& x, const std::optional<at::Tensor>& offs, const std::string& recipe,
