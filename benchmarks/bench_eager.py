@@ -121,10 +121,14 @@ def block_rows(tokens_list):
                 "hf": lambda: grouped_mm_experts_forward(mod, hidden, ids, weights)}, wall_us, rounds=5)
         hidden_g = hidden.clone().requires_grad_()
         dy = torch.randn_like(hidden)
-        # ours: the default (the fused MLP, its kernels launched from Python); unfused: the
-        # composition of ops whose CUDA kernels the C++ layer launches (fused=False)
+        # ours: the default (up to configs.HOST_BLOCK_MAX_PAIRS pairs, the C++ block: one host
+        # call forward, one backward); fused: the fused MLP (its autograd formula and Triton
+        # launches in Python); unfused: the Python composition of ops whose CUDA kernels the C++
+        # layer launches.
         steps = {
             "ours": lambda: cm.moe_experts(hidden_g, ids, weights, mod.gate_up_proj, mod.down_proj).backward(dy),
+            "fused": lambda: cm.moe_experts(hidden_g, ids, weights, mod.gate_up_proj, mod.down_proj,
+                                            fused=True).backward(dy),
             "unfused": lambda: cm.moe_experts(hidden_g, ids, weights, mod.gate_up_proj, mod.down_proj,
                                               fused=False).backward(dy),
             "hf": lambda: grouped_mm_experts_forward(mod, hidden_g, ids, weights).backward(dy)}

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from compiled_moe.reference import (ACTIVATION_CODES, ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS,
+from compiled_moe.reference import (ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS,
                                     GPT_OSS_ALPHA, GPT_OSS_LIMIT, check_recipe)
 from compiled_moe.fp8 import fp8_activation_grouped_mm
 from compiled_moe.kernels.configs import HOST_BLOCK_MAX_PAIRS, fp8_group_rows, mlp_gathers_input
@@ -27,24 +27,19 @@ from compiled_moe.ops._dispatch import check_same_device, check_same_dtype, chec
 def _host_block():
     from compiled_moe import host
 
-    return host.cuda_module()
+    return host.module()
 
 
-def host_block_applies(hidden, topk_ids, topk_weights, w1, w2, b1, b2) -> bool:
-    """The block's forward runs as one C++ host call (csrc/host/ops.cpp, moe_experts_forward):
-    an eager call on real tensors that needs no gradient, on Hopper, bf16/fp16, rows that move
-    as 16-byte pieces, up to configs.HOST_BLOCK_MAX_PAIRS pairs (a decoding model's steps)."""
+def host_block_applies(hidden, topk_ids, w1) -> bool:
+    """The block runs as one C++ host call forward and one backward (csrc/host/ops.cpp,
+    moe_experts, composed of the ops' C++ kernels): an eager call on real CUDA tensors, bf16 or
+    fp16, on Hopper (whose GEMMs the layer launches), up to configs.HOST_BLOCK_MAX_PAIRS pairs
+    (where host time dominates: decoding, small batches; above it the fused MLP's Triton FC1 is
+    the faster GPU work)."""
     if (torch.compiler.is_compiling() or hidden.device.type != "cuda" or not is_real_tensor(hidden)
             or torch._C._len_torch_dispatch_stack() != 0
             or hidden.dtype not in (torch.bfloat16, torch.float16)
-            or topk_weights.dtype not in (torch.bfloat16, torch.float16, torch.float32)
-            or _needs_grad(hidden, w1, w2, b1, b2, topk_weights)):
-        return False
-    pairs = topk_ids.numel()
-    es = hidden.element_size()
-    if not (0 < pairs <= HOST_BLOCK_MAX_PAIRS and hidden.stride(1) == 1
-            and (hidden.shape[1] * es) % 16 == 0 and (hidden.stride(0) * es) % 16 == 0
-            and hidden.data_ptr() % 16 == 0):
+            or not 0 < topk_ids.numel() <= HOST_BLOCK_MAX_PAIRS):
         return False
     from compiled_moe.native import hopper
 
@@ -127,9 +122,12 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
             see ``kernels.configs.mlp_gathers_input``) and applies the activation in its
             epilogue; backward keeps only FC1's output and recomputes the activation in one
             pass with its backward). Needs a named activation and no FP8 recipe; None (the
-            default) picks it whenever those hold. It keeps 0.35-0.71x the memory for backward
-            of the unfused path at about the same speed (H200, compiled forward+backward
-            0.98-1.02x over the four model shapes, forward 0.98-1.06x; benchmarks/RESULTS.md).
+            default) picks it whenever those hold, except in eager calls of up to
+            ``configs.HOST_BLOCK_MAX_PAIRS`` pairs on Hopper, which run the block as one C++
+            host call forward and one backward (``host_block_applies``; it keeps what the fused
+            MLP keeps). The fused MLP keeps 0.35-0.71x the memory for backward of the unfused
+            path at about the same speed (H200, compiled forward+backward 0.98-1.02x over the
+            four model shapes, forward 0.98-1.06x; benchmarks/RESULTS.md).
         fp8_weights: with fp8_recipe, ``(quantize_weight(w1, recipe), quantize_weight(w2,
             recipe))`` computed beforehand (once per optimizer step for several micro-batches);
             None quantizes the weights in the call.
@@ -166,10 +164,9 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
     w1_fp8, w2_fp8 = check_fp8_weights(fp8_weights, fp8_recipe)
     num_experts = w1.shape[0]
     if (fused is None and fp8_recipe is None and not callable(activation)
-            and host_block_applies(hidden, topk_ids, topk_weights, w1, w2, b1, b2)):
-        return _host_block().moe_experts_forward(
-            hidden, topk_ids, topk_weights, w1, w2, b1, b2, ACTIVATION_CODES[activation],
-            gate_up_layout == "interleaved", alpha, limit)
+            and host_block_applies(hidden, topk_ids, w1)):
+        return _host_block().moe_experts(hidden, topk_ids, topk_weights, w1, w2, b1, b2, activation,
+                                         gate_up_layout, alpha, limit)
     if fused is None:
         fused = fp8_recipe is None and not callable(activation)
     if fused:

@@ -1,8 +1,9 @@
 // Row kernels of the experts block, launched by the C++ host layer (csrc/host/): the gather of
 // token rows into expert-sorted rows (moe_permute), the weighted combine back (moe_unpermute)
 // and its weights' gradient, the activation between the two GEMMs and its backward, and the
-// per-group row sums (grouped_sum, a bias gradient). The one-call experts forward
-// (csrc/host/ops.cpp's moe_experts_forward) runs the first three back to back. Their oracles are
+// per-group row sums (grouped_sum, a bias gradient), each the CUDA kernel of the op of that
+// name (csrc/host/rows.cpp), which the one-call experts block (csrc/host/ops.cpp's moe_experts)
+// composes. Their oracles are
 // compiled_moe/reference.py's functions of the same names; the Triton kernels of
 // kernels/routing.py, kernels/activations.py and kernels/grouped_mm.py do the same inside
 // compiled graphs.

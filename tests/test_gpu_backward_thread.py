@@ -72,6 +72,24 @@ want = ref.moe_route(ids.cpu(), 64, 1)
 for got, expected in zip((offs, row_of, source), want):
     assert torch.equal(got, expected)
 """,
+    # the experts block's one-call backward (C++ autograd function) at one token
+    "moe_experts": """
+hidden = torch.randn(1, 1024, device=dev, dtype=torch.bfloat16, requires_grad=True)
+ids = torch.tensor([[3, 9]], device=dev)
+weights = torch.tensor([[0.6, 0.4]], device=dev, requires_grad=True)
+w1 = (torch.randn(16, 768, 1024, device=dev) / 32).bfloat16().requires_grad_()
+w2 = (torch.randn(16, 1024, 384, device=dev) / 20).bfloat16().requires_grad_()
+dy = torch.randn(1, 1024, device=dev, dtype=torch.bfloat16)
+out = cm.moe_experts(hidden, ids, weights, w1, w2)
+assert "ExpertsBlockFunction" in out.grad_fn.name()
+out.backward(dy)
+leaves = [t.detach().double().cpu().requires_grad_() for t in (hidden, weights, w1, w2)]
+cm.moe_experts(leaves[0], ids.cpu(), *leaves[1:], fused=False).backward(dy.double().cpu())
+def rel(x, y):
+    return ((x.double().cpu() - y).norm() / y.norm()).item()
+for got, want in zip((hidden.grad, weights.grad, w1.grad, w2.grad), leaves):
+    assert rel(got, want.grad) < 2e-2, rel(got, want.grad)
+""",
 }
 
 

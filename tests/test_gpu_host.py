@@ -201,7 +201,7 @@ def test_experts_block_in_one_call(case):
     hidden, ids, weights, w1, w2, b1, b2 = _block_inputs(activation, biases, tokens, id_dtype, weight_dtype)
     kwargs = dict(activation=activation, gate_up_layout=layout, b1=b1, b2=b2)
     with torch.no_grad():
-        assert host_block_applies(hidden, ids, weights, w1, w2, b1, b2)
+        assert host_block_applies(hidden, ids, w1)
         cm.moe_experts(hidden, ids, weights, w1, w2, **kwargs)  # plans and kernels outside the check
         with no_sync():
             out = cm.moe_experts(hidden, ids, weights, w1, w2, **kwargs)
@@ -213,6 +213,43 @@ def test_experts_block_in_one_call(case):
     assert err <= 2 * torch_err + 1e-2, (err, torch_err)
     assert (out.double() - fused.double()).abs().max().item() <= 2 * torch_err + 1e-2
     assert torch.equal(out, cm.moe_experts(hidden, ids, weights, w1, w2, **kwargs))  # deterministic
+
+
+def _grads(fn, leaves, grad):
+    return torch.autograd.grad(fn(), leaves, grad)
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=lambda c: f"{c[0]}-{c[1]}-T{c[3]}")
+def test_experts_block_backward_in_one_call(case):
+    """moe_experts' training step through the C++ autograd function (one host call forward,
+    one backward): every gradient against the float64 loop's within the tolerance rule (twice
+    the bf16 loop's error), and against the fused path's; forward and backward without a host
+    sync."""
+    activation, layout, biases, tokens, id_dtype, weight_dtype = case
+    hidden, ids, weights, w1, w2, b1, b2 = _block_inputs(activation, biases, tokens, id_dtype, weight_dtype)
+    leaves = [t.requires_grad_() for t in (hidden, weights, w1, w2, b1, b2) if t is not None]
+    kwargs = dict(activation=activation, gate_up_layout=layout, b1=b1, b2=b2)
+    grad = torch.randn(hidden.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).bfloat16()
+
+    def ours():
+        return cm.moe_experts(hidden, ids, weights, w1, w2, **kwargs)
+
+    out = ours()
+    assert "ExpertsBlockFunction" in out.grad_fn.name()
+    out.backward(grad)  # plans and kernels outside the check
+    with no_sync():
+        got = _grads(ours, leaves, grad)
+    fused = _grads(lambda: cm.moe_experts(hidden, ids, weights, w1, w2, fused=True, **kwargs), leaves, grad)
+    oracle = _grads(lambda: loop_moe_experts(hidden, ids, weights, w1, w2, activation, layout, b1, b2), leaves,
+                    grad.double())
+    same_dtype = _grads(lambda: loop_moe_experts(hidden, ids, weights, w1, w2, activation, layout, b1, b2,
+                                                 dtype=torch.bfloat16), leaves, grad)
+    for name, g, f, o, s in zip(("hidden", "weights", "w1", "w2", "b1", "b2"), got, fused, oracle, same_dtype):
+        scale = o.abs().max().item()
+        torch_err = (s.double() - o).abs().max().item()
+        assert (g.double() - o).abs().max().item() <= 2 * torch_err + 1e-3 * scale, name
+        assert (g.double() - f.double()).abs().max().item() <= 2 * torch_err + 1e-3 * scale, name
+    assert all(torch.equal(a, b) for a, b in zip(got, _grads(ours, leaves, grad)))  # deterministic
 
 
 def test_experts_block_in_one_call_graph_replay():

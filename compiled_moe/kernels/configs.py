@@ -259,11 +259,12 @@ def grouped_sum_config(n: int, device_type: str) -> TileConfig:
 # 10.0-10.8 at 1024 against 10.2-11.4 for the NVRTC kernels, 22-24 at 2048 against 10.4-12.2.
 ROUTE_ONE_PROGRAM_PAIRS = 1024
 
-# Eager forward calls without gradient of up to this many (token, slot) pairs run the experts
-# block as one call of the C++ host layer (host.py; experts.py's host_block_applies): route,
-# gather, the CUDA GEMMs, activation, combine. Below it a step's host time exceeds its GPU
-# time (a decoding model: T = 1-512 tokens); above it the fused path's Triton FC1, which
-# gathers rows and applies the activation in its epilogue, is the faster GPU work at I < 2048.
+# Eager calls of up to this many (token, slot) pairs run the experts block as one call of the
+# C++ host layer forward and one backward (host.py; experts.py's host_block_applies): route,
+# gather, the CUDA GEMMs, activation, combine and their gradients. Below it a step's host time
+# exceeds its GPU time (a decoding model or a small batch: T = 1-512 tokens at k = 8); above
+# it the fused path's Triton FC1, which gathers rows and applies the activation in its
+# epilogue, is the faster GPU work at I < 2048.
 HOST_BLOCK_MAX_PAIRS = 4096
 
 

@@ -466,7 +466,7 @@ void grouped_mm_wgrad_accumulate_cuda(const at::Tensor& main_grad, const at::Ten
   }
 }
 
-// ------------------------------------------------------------------------------ the experts block
+// ------------------------------------------------------------------------------ routing
 
 // moe_route's CUDA kernels into offs (E,), row_of (T, k), source (T*k + E*(pad_multiple-1),):
 // the launch arithmetic of compiled_moe/ops/routing.py's _route_cuda (which serves where this
@@ -514,61 +514,187 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& 
   return {offs, row_of, source};
 }
 
-// The experts block's forward in one host call, for eager calls that need no gradient (a
-// decoding model): route -> gather -> FC1 -> activation -> FC2 -> combine, launched back to
-// back. compiled_moe/experts.py's moe_experts checks the arguments and calls it where it
-// applies (host_block_applies): hidden bf16/fp16 with rows of 16-byte multiples, Hopper.
-at::Tensor moe_experts_forward(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                               const at::Tensor& w1, const at::Tensor& w2, const std::optional<at::Tensor>& b1,
-                               const std::optional<at::Tensor>& b2, int64_t code, bool interleaved, double alpha,
-                               double limit) {
-  c10::DeviceGuard guard(hidden.device());
-  const int device = hidden.device().index();
-  ensure_context(device);
-  const RowKernels& k = device_kernels<RowKernels>(device);
-  const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1), top_k = topk_ids.size(1);
-  const int64_t experts = w1.size(0), inter = w2.size(2), pairs = tokens * top_k;
-  const auto options = hidden.options();
-  at::Tensor ids = topk_ids.contiguous(), weights = topk_weights.contiguous();
-  at::Tensor offs = at::empty({experts}, options.dtype(at::kInt));
-  at::Tensor row_of = at::empty({tokens, top_k}, options.dtype(at::kInt));
-  at::Tensor source = at::empty({pairs}, options.dtype(at::kInt));
-  route(ids, experts, 1, offs, row_of, source, device_kernels<RouteKernels>(device), device);
-
-  at::Tensor x = at::empty({pairs, hidden_size}, options);
-  {
-    const void* hidden_p = hidden.data_ptr();
-    void *source_p = source.data_ptr(), *x_p = x.data_ptr();
-    int64_t stride = hidden.stride(0) * 2 / 16, rows = pairs, num_pairs = pairs;
-    int32_t chunks = static_cast<int32_t>(hidden_size * 2 / 16), kk = static_cast<int32_t>(top_k);
-    void* args[] = {&hidden_p, &stride, &source_p, &x_p, &rows, &chunks, &kk, &num_pairs};
-    launch(device, k.gather, grid_for(pairs * chunks, k.sms), 256, 0, args);
-  }
-  const int32_t kind = hidden.scalar_type() == at::kBFloat16 ? 0 : 1;
-  at::Tensor h = grouped_mm_device(x, w1.mT(), offs, b1, hidden.scalar_type());
-  at::Tensor a = at::empty({pairs, inter}, options);
-  {
-    void *h_p = h.data_ptr(), *a_p = a.data_ptr();
-    int64_t h_stride = h.stride(0), rows = pairs;
-    int32_t inter32 = static_cast<int32_t>(inter), code32 = static_cast<int32_t>(code), inter_leaved = interleaved;
-    float alpha32 = static_cast<float>(alpha), limit32 = static_cast<float>(limit);
-    int32_t kind32 = kind;
-    void* args[] = {&h_p, &h_stride, &a_p, &rows, &inter32, &kind32, &code32, &inter_leaved, &alpha32, &limit32};
-    launch(device, k.activation, grid_for(pairs * inter, k.sms), 256, 0, args);
-  }
-  at::Tensor y = grouped_mm_device(a, w2.mT(), offs, b2, hidden.scalar_type());
-  at::Tensor out = at::empty({tokens, hidden_size}, options);
-  {
-    void *y_p = y.data_ptr(), *row_of_p = row_of.data_ptr(), *w_p = weights.data_ptr(), *out_p = out.data_ptr();
-    int64_t y_rows = y.size(0), y_stride = y.stride(0), tokens64 = tokens;
-    int32_t wkind = element_kind(weights.scalar_type()), kk = static_cast<int32_t>(top_k),
-            hidden32 = static_cast<int32_t>(hidden_size), kind32 = kind;
-    void* args[] = {&y_p, &y_rows, &y_stride, &row_of_p, &w_p, &wkind, &out_p, &tokens64, &kk, &hidden32, &kind32};
-    launch(device, k.combine, grid_for(tokens * hidden_size, k.sms), 256, 0, args);
-  }
-  return out;
-}
 #endif  // COMPILED_MOE_CUDA
+
+// ------------------------------------------------------------------------------ the experts block
+// route -> gather -> FC1 -> activation -> FC2 -> weighted combine, and its backward, each one
+// host call: a C++ autograd function composed of the package's ops, called through the
+// dispatcher below autograd. On CUDA each op is this layer's kernel, so an eager step's block
+// makes no call into Python (what the Python composition cost: about 0.9 ms of host time a
+// forward+backward at decode sizes on the H200, benchmarks/RESULTS.md); elsewhere the ops' own
+// kernels serve, which is how the CPU tier tests it. Backward keeps FC1's output h (and FC2's
+// output y where the routing weights need a gradient) and recomputes the gathered rows and the
+// activation, as the fused MLP does.
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> package_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_moe_route(const at::Tensor& ids, int64_t experts) {
+  static auto op =
+      package_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, int64_t, int64_t)>(
+          "compiled_moe::moe_route");
+  return op.call(ids, experts, 1);
+}
+
+// moe_permute (gather) and moe_unpermute (combine) share a signature.
+using RowsSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const std::optional<at::Tensor>&);
+
+at::Tensor call_moe_permute(const at::Tensor& hidden, const at::Tensor& row_of, const at::Tensor& source,
+                            const std::optional<at::Tensor>& scale) {
+  static auto op = package_op<RowsSignature>("compiled_moe::moe_permute");
+  return op.call(hidden, row_of, source, scale);
+}
+
+at::Tensor call_moe_unpermute(const at::Tensor& y, const at::Tensor& row_of, const at::Tensor& source,
+                              const std::optional<at::Tensor>& weights) {
+  static auto op = package_op<RowsSignature>("compiled_moe::moe_unpermute");
+  return op.call(y, row_of, source, weights);
+}
+
+std::tuple<at::Tensor, at::Tensor> call_moe_unpermute_backward(const at::Tensor& grad_out, const at::Tensor& y,
+                                                               const at::Tensor& row_of, const at::Tensor& source,
+                                                               const at::Tensor& weights) {
+  static auto op = package_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                  const at::Tensor&, const at::Tensor&,
+                                                                  const at::Tensor&)>(
+      "compiled_moe::moe_unpermute_backward");
+  return op.call(grad_out, y, row_of, source, weights);
+}
+
+struct Activation {
+  std::string name, layout;
+  double alpha, limit;
+};
+
+at::Tensor call_moe_activation(const at::Tensor& h, const Activation& act) {
+  static auto op = package_op<at::Tensor(const at::Tensor&, const std::string&, const std::string&, double, double)>(
+      "compiled_moe::moe_activation");
+  return op.call(h, act.name, act.layout, act.alpha, act.limit);
+}
+
+at::Tensor call_moe_activation_backward(const at::Tensor& grad, const at::Tensor& h, const Activation& act) {
+  static auto op = package_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::string&, const std::string&,
+                                         double, double)>("compiled_moe::moe_activation_backward");
+  return op.call(grad, h, act.name, act.layout, act.alpha, act.limit);
+}
+
+// grad (G, P, Q) of a weight w of that shape from d_g^T @ a_g, in w's own storage order.
+at::Tensor weight_grad(const at::Tensor& d, const at::Tensor& a, const at::Tensor& offs, const at::Tensor& w) {
+  return is_transposed_weight(w) ? grouped_mm_wgrad(a, d, offs, w.scalar_type()).mT()
+                                 : grouped_mm_wgrad(d, a, offs, w.scalar_type());
+}
+
+struct BlockForward {
+  at::Tensor out, offs, row_of, source, h, y;
+};
+
+// The forward's ops, under the caller's dispatch below autograd.
+BlockForward block_forward(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                           const at::Tensor& w1, const at::Tensor& w2, const std::optional<at::Tensor>& b1,
+                           const std::optional<at::Tensor>& b2, const Activation& act) {
+  auto [offs, row_of, source] = call_moe_route(topk_ids, w1.size(0));
+  at::Tensor h = grouped_mm_op().call(call_moe_permute(hidden, row_of, source, std::nullopt), w1.mT(), offs, b1,
+                                      std::nullopt);
+  at::Tensor y = grouped_mm_op().call(call_moe_activation(h, act), w2.mT(), offs, b2, std::nullopt);
+  at::Tensor out = call_moe_unpermute(y, row_of, source, topk_weights);
+  return {out, offs, row_of, source, h, y};
+}
+
+std::optional<at::Tensor> bias_at(at::TensorList biases, bool present, size_t index) {
+  return present ? std::optional<at::Tensor>(biases[index]) : std::nullopt;
+}
+
+// Inputs: hidden, topk_ids, topk_weights, w1, w2, then the biases as a list (b1 and b2 where
+// given: autograd takes no undefined tensor and gives an optional<Tensor> no gradient).
+class ExpertsBlockFunction : public torch::autograd::Function<ExpertsBlockFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden,
+                            const at::Tensor& topk_ids, const at::Tensor& topk_weights, const at::Tensor& w1,
+                            const at::Tensor& w2, at::TensorList biases, bool has_b1, bool has_b2,
+                            const std::string& activation, const std::string& gate_up_layout, double alpha,
+                            double limit) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const Activation act{activation, gate_up_layout, alpha, limit};
+    BlockForward f = block_forward(hidden, topk_ids, topk_weights, w1, w2, bias_at(biases, has_b1, 0),
+                                   bias_at(biases, has_b2, has_b1 ? 1 : 0), act);
+    const bool weights_grad = topk_weights.requires_grad();
+    ctx->save_for_backward({hidden, topk_weights, w1, w2, f.offs, f.row_of, f.source, f.h,
+                            weights_grad ? f.y : at::Tensor()});
+    ctx->saved_data["activation"] = activation;
+    ctx->saved_data["gate_up_layout"] = gate_up_layout;
+    ctx->saved_data["alpha"] = alpha;
+    ctx->saved_data["limit"] = limit;
+    ctx->saved_data["b1_dtype"] = has_b1 ? static_cast<int64_t>(biases[0].scalar_type()) : int64_t(-1);
+    ctx->saved_data["b2_dtype"] = has_b2 ? static_cast<int64_t>(biases.back().scalar_type()) : int64_t(-1);
+    return f.out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &hidden = saved[0], &weights = saved[1], &w1 = saved[2], &w2 = saved[3], &offs = saved[4],
+                     &row_of = saved[5], &source = saved[6], &h = saved[7], &y = saved[8];
+    const Activation act{ctx->saved_data["activation"].toStringRef(), ctx->saved_data["gate_up_layout"].toStringRef(),
+                         ctx->saved_data["alpha"].toDouble(), ctx->saved_data["limit"].toDouble()};
+    const int64_t b1_dtype = ctx->saved_data["b1_dtype"].toInt(), b2_dtype = ctx->saved_data["b2_dtype"].toInt();
+    const size_t b1_index = 5, b2_index = b1_dtype >= 0 ? 6 : 5;
+    // Without create_graph nothing records the gradient's ops: they dispatch straight to their
+    // kernels.
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
+    if (!at::GradMode::is_enabled()) below_autograd.emplace();
+    const at::Tensor dout = grads[0].to(hidden.scalar_type());
+    at::Tensor dy, grad_weights;  // FC2's output gradient, the routing weights' gradient
+    if (ctx->needs_input_grad(2)) {
+      std::tie(dy, grad_weights) = call_moe_unpermute_backward(dout, y, row_of, source, weights);
+    } else {
+      dy = call_moe_permute(dout, row_of, source, weights);
+    }
+    at::Tensor grad_w2, grad_b2, grad_w1, grad_b1, grad_hidden;
+    if (ctx->needs_input_grad(4)) grad_w2 = weight_grad(dy, call_moe_activation(h, act), offs, w2);
+    if (b2_dtype >= 0 && ctx->needs_input_grad(b2_index))
+      grad_b2 = grouped_sum(dy, offs, static_cast<c10::ScalarType>(b2_dtype));
+    const at::Tensor dh =
+        call_moe_activation_backward(grouped_mm_op().call(dy, w2, offs, std::nullopt, std::nullopt), h, act);
+    if (b1_dtype >= 0 && ctx->needs_input_grad(b1_index))
+      grad_b1 = grouped_sum(dh, offs, static_cast<c10::ScalarType>(b1_dtype));
+    if (ctx->needs_input_grad(3))
+      grad_w1 = weight_grad(dh, call_moe_permute(hidden, row_of, source, std::nullopt), offs, w1);
+    if (ctx->needs_input_grad(0)) {
+      grad_hidden = call_moe_unpermute(grouped_mm_op().call(dh, w1, offs, std::nullopt, std::nullopt), row_of,
+                                       source, std::nullopt);
+    }
+    torch::autograd::variable_list out = {grad_hidden, at::Tensor(), grad_weights, grad_w1, grad_w2};
+    if (b1_dtype >= 0) out.push_back(grad_b1);
+    if (b2_dtype >= 0) out.push_back(grad_b2);
+    out.resize(out.size() + 6);  // has_b1, has_b2, activation, gate_up_layout, alpha, limit
+    return out;
+  }
+};
+
+// compiled_moe.moe_experts's eager block (compiled_moe/experts.py checks the arguments and
+// calls it where host_block_applies): the autograd function where a gradient is needed, else
+// the forward's ops alone.
+at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                       const at::Tensor& w1, const at::Tensor& w2, const std::optional<at::Tensor>& b1,
+                       const std::optional<at::Tensor>& b2, const std::string& activation,
+                       const std::string& gate_up_layout, double alpha, double limit) {
+  bool grad = hidden.requires_grad() || topk_weights.requires_grad() || w1.requires_grad() || w2.requires_grad() ||
+              (b1 && b1->requires_grad()) || (b2 && b2->requires_grad());
+  if (!grad || !at::GradMode::is_enabled()) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return block_forward(hidden, topk_ids, topk_weights, w1, w2, b1, b2,
+                         Activation{activation, gate_up_layout, alpha, limit})
+        .out;
+  }
+  std::vector<at::Tensor> biases;
+  if (b1) biases.push_back(*b1);
+  if (b2) biases.push_back(*b2);
+  return ExpertsBlockFunction::apply(hidden, topk_ids, topk_weights, w1, w2, at::TensorList(biases), b1.has_value(),
+                                     b2.has_value(), activation, gate_up_layout, alpha, limit);
+}
 
 torch::Library& library() {
   static auto* lib = new torch::Library(torch::Library::IMPL, "compiled_moe", std::nullopt, __FILE__, __LINE__);
@@ -657,6 +783,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("check_grouped_mm_wgrad", &compiled_moe::check_grouped_mm_wgrad);
   m.def("register_grouped_mm_wgrad_accumulate", &compiled_moe::register_grouped_mm_wgrad_accumulate);
   m.def("check_grouped_mm_wgrad_accumulate", &compiled_moe::check_grouped_mm_wgrad_accumulate);
+  m.def("moe_experts", &compiled_moe::moe_experts);
   compiled_moe::bind_rows(m);
   compiled_moe::bind_quantize(m);
 #ifdef COMPILED_MOE_CUDA
@@ -666,7 +793,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                      pybind11::handle plan) {
     compiled_moe::launch_grouped_mm_sm90(a, b, offs, bias, out, compiled_moe::read_plan(plan));
   });
-  m.def("moe_experts_forward", &compiled_moe::moe_experts_forward);
 #else
   m.attr("has_cuda") = false;
 #endif
