@@ -702,3 +702,60 @@ QUANTIZE_KERNELS(f32, DT_F32, 1)
 
 ACTIVATE_QUANTIZE_KERNEL(activate_quantize_fp8_blockwise_bf16, DT_BF16)
 ACTIVATE_QUANTIZE_KERNEL(activate_quantize_fp8_blockwise_f16, DT_F16)
+
+// --------------------------------------------------------------------------- rowwise only
+
+// The rowwise 1 x 128 blocks alone (row_q (M, K) e4m3, row_s fp32 through strides (rs_m, rs_t)),
+// as the FP8 forward quantizes its activations: no columnwise output, so no group reads. A warp
+// per block, four consecutive values a lane, x read once; a grid-stride loop over the blocks.
+// The arithmetic above, the quotient by division (memory bounds this kernel, not its ALU).
+template <int DT>
+__device__ __forceinline__ float load_value(const void* x, long long i) {
+  if (DT == DT_F32) return static_cast<const float*>(x)[i];
+  const unsigned short h = static_cast<const unsigned short*>(x)[i];
+  if (DT == DT_BF16) return __int_as_float((u32)h << 16);
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+template <int DT>
+__device__ void quantize_rows(const void* __restrict__ x, long long ldx, long long M, int K,
+                              unsigned char* __restrict__ row_q, long long ldrq, float* __restrict__ row_s,
+                              long long rs_m, long long rs_t) {
+  const int lane = threadIdx.x & 31, blocks_per_row = (K + 127) / 128;
+  const long long blocks = M * blocks_per_row, warps = (long long)gridDim.x * (blockDim.x >> 5);
+  for (long long b = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; b < blocks; b += warps) {
+    const long long r = b / blocks_per_row;
+    const int t = (int)(b - r * blocks_per_row), c0 = 128 * t + 4 * lane;
+    float v[4], amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      v[j] = c0 + j < K ? load_value<DT>(x, r * ldx + c0 + j) : 0.0f;
+      amax = max_keep_nan(amax, fabsf(v[j]));
+    }
+#pragma unroll
+    for (int d = 16; d; d >>= 1) amax = max_keep_nan(amax, __shfl_xor_sync(FULL_MASK, amax, d));
+    const ScaleF32 q = ScaleF32::from_amax(nan_as_inf(amax));
+    if (lane == 0) row_s[r * rs_m + t * rs_t] = q.s;
+    const u32 bytes = pack_e4m3(q.apply<true>(v[0]), q.apply<true>(v[1]), q.apply<true>(v[2]), q.apply<true>(v[3]));
+    unsigned char* out = row_q + r * ldrq + c0;
+    if (c0 + 3 < K && ((unsigned long long)out & 3) == 0) {
+      *reinterpret_cast<u32*>(out) = bytes;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (c0 + j < K) out[j] = (unsigned char)(bytes >> (8 * j));
+    }
+  }
+}
+
+#define QUANTIZE_ROWS_KERNEL(NAME, DT)                                                               \
+  extern "C" __global__ void NAME(const void* x, long long ldx, long long M, int K, unsigned char* row_q, \
+                                  long long ldrq, float* row_s, long long rs_m, long long rs_t) {          \
+    quantize_rows<DT>(x, ldx, M, K, row_q, ldrq, row_s, rs_m, rs_t);                                   \
+  }
+
+QUANTIZE_ROWS_KERNEL(quantize_rows_fp8_blockwise_bf16, DT_BF16)
+QUANTIZE_ROWS_KERNEL(quantize_rows_fp8_blockwise_f16, DT_F16)
+QUANTIZE_ROWS_KERNEL(quantize_rows_fp8_blockwise_f32, DT_F32)

@@ -236,3 +236,13 @@ def test_host_layer_kernels_compile(arch):
         for kernel in kernels:
             assert f"Compiling entry function '{kernel}'" in log, (source, kernel, log)
         assert not re.search(r"[1-9]\d* bytes spill stores", log), log
+
+
+def test_rowwise_quantize_kernels_compile():
+    """The rowwise-only quantizer the C++ host layer launches (csrc/grouped_quantize.cu, sm_90
+    like the file's other kernels) compiles without spills for each input dtype."""
+    path = native.csrc_dir() / "grouped_quantize.cu"
+    log = native.ptxas_report(path, native.source_arch(path, "sm_90"))
+    spills = dict(re.findall(r"Function properties for (\w+)\n.*?(\d+) bytes spill stores", log))
+    for dtype in ("bf16", "f16", "f32"):
+        assert spills[f"quantize_rows_fp8_blockwise_{dtype}"] == "0", log

@@ -269,24 +269,30 @@ def test_experts_block_in_one_call_graph_replay():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("rowwise", [True, False])
-@pytest.mark.parametrize("M,K,G", [(300, 256, 4), (4096, 2048, 128), (5, 136, 3)])
-def test_quantize_same_bits_as_the_python_kernel(dtype, rowwise, M, K, G):
-    """grouped_quantize (2-D, fp8_blockwise, columnwise) through the C++ kernel: the Python
-    kernel's outputs bit for bit, in its layouts (padded columnwise rows, K-contiguous column
-    scales), no host sync; an unaligned x takes the Python kernel."""
+@pytest.mark.parametrize("rowwise,columnwise", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("M,K,G", [(300, 256, 4), (4096, 2048, 128), (5, 136, 3), (7, 100, 2)])
+def test_quantize_same_bits_as_the_python_kernel(dtype, rowwise, columnwise, M, K, G):
+    """grouped_quantize (2-D, fp8_blockwise) through the C++ kernels, columnwise (with or
+    without rowwise) and rowwise only: the Python kernel's outputs bit for bit, in its layouts
+    (padded columnwise rows, K-contiguous column scales), with NaN, Inf, zero and tiny blocks;
+    no host sync. An unaligned x, and K not a multiple of 8, take the Python kernel
+    columnwise."""
     from compiled_moe.ops import fp8
 
     assert "csrc/host/quantize.cpp" in \
         torch._C._dispatch_dump("compiled_moe::grouped_quantize").split("CUDA:")[1].splitlines()[0]
     g = torch.Generator().manual_seed(M + K)
-    buffer = (torch.randn(M, K + 8, generator=g) * 3).to(dtype).cuda()
+    buffer = torch.randn(M, K + 8, generator=g) * 3
+    buffer[0, 3], buffer[-1, 5], buffer[M // 2, 7] = float("nan"), float("inf"), -float("inf")
+    buffer[1, :] = 0  # zero blocks: scale 1
+    buffer[2, :] *= 1e-30 if dtype == torch.float32 else 1e-4  # tiny scales
+    buffer = buffer.to(dtype).cuda()
     offs = random_offsets(M, G, generator=g, empty_groups=1, tail=min(3, M - 1)).cuda()
     for x in (buffer[:, :K], buffer[:, 4:4 + K]):  # 16-byte aligned; 8 bytes off for 2-byte dtypes
-        torch.ops.compiled_moe.grouped_quantize(x, offs, "fp8_blockwise", rowwise, True)  # the plan, outside
+        torch.ops.compiled_moe.grouped_quantize(x, offs, "fp8_blockwise", rowwise, columnwise)  # the plan, outside
         with no_sync():
-            got = torch.ops.compiled_moe.grouped_quantize(x, offs, "fp8_blockwise", rowwise, True)
-        want = fp8._grouped_quantize._kernel(x, offs, "fp8_blockwise", rowwise, True)
+            got = torch.ops.compiled_moe.grouped_quantize(x, offs, "fp8_blockwise", rowwise, columnwise)
+        want = fp8._grouped_quantize._kernel(x, offs, "fp8_blockwise", rowwise, columnwise)
         for name, a, b in zip(("data", "scale", "col_data", "col_scale"), got, want):
             assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype, name
             assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,

@@ -131,6 +131,18 @@ def host_plan(x, offs, rowwise: bool):
     return handle, grid, threads(x.dtype), shared, stages, max(1, group_m), slots
 
 
+def host_rows_plan(x):
+    """The C++ host layer's question on its first rowwise-only grouped_quantize call (2-D x,
+    fp8_blockwise) of a dtype on a device: (kernel handle, SM count) of
+    csrc/grouped_quantize.cu's quantize_rows kernel, or None where it does not run (then the
+    op's Python kernel serves)."""
+    if not enabled() or x.dtype not in _SUFFIX or not _sm90_or_later(x.device.index):
+        return None
+    dev = x.device.index
+    name = f"quantize_rows_fp8_blockwise_{_SUFFIX[x.dtype]}"
+    return native.function_handle(native.kernel("grouped_quantize", name, dev), dev), _num_sms(dev)
+
+
 def _strides(scale):
     """A scale tensor's two element strides, as the kernels take them. Any layout works; the
     op's columnwise scales, K contiguous, make an item's 128 column-scale stores one run."""

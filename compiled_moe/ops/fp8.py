@@ -156,14 +156,16 @@ def _quantize_outputs(x, offs, recipe, rowwise, columnwise, shape=None):
 
 def _register_host_quantize(module) -> list[str]:
     """The C++ host layer's grouped_quantize CUDA kernel (csrc/host/quantize.cpp): checks and
-    the columnwise CUDA kernel's launch for 2-D fp8_blockwise x (its plan asked of
-    quantize_cuda.host_plan once per shape); the op's Python kernel serves the rest."""
+    the launch of the CUDA kernels for 2-D fp8_blockwise x, columnwise (its plan asked of
+    quantize_cuda.host_plan once per shape) or rowwise only (quantize_cuda.host_rows_plan, once
+    per dtype and device); the op's Python kernel serves the rest."""
     from compiled_moe import native
 
     if not (module.has_cuda and native.available()):
         return []
     return module.register_grouped_quantize(
         lambda x, offs, rowwise: _quantize_cuda().host_plan(x, offs, rowwise),
+        lambda x: _quantize_cuda().host_rows_plan(x),
         lambda *args: _grouped_quantize._kernel(*args))
 
 

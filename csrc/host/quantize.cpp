@@ -1,10 +1,11 @@
-// The C++ host layer's grouped_quantize: the CUDA kernel of the FP8 training step's most
-// frequent quantization, 2-D x to fp8_blockwise with columnwise output (and rowwise in the same
-// launch), from the dispatcher to the driver without Python: checks with the Python messages,
-// the outputs in the layouts of compiled_moe/ops/fp8.py's _quantize_outputs, and the launch of
-// csrc/grouped_quantize.cu's kernel whose plan kernels/quantize_cuda.py's host_plan gives once
-// per shape. Every other call (3-D weights, other recipes, rowwise only, float64, an unaligned
-// x) goes to the op's Python kernel.
+// The C++ host layer's grouped_quantize: the CUDA kernels of the FP8 step's activation
+// quantizations, 2-D x to fp8_blockwise, with columnwise output (and rowwise in the same launch:
+// a training step's) or rowwise only (the forward's), from the dispatcher to the driver without
+// Python: checks with the Python messages, the outputs in the layouts of
+// compiled_moe/ops/fp8.py's _quantize_outputs, and the launch of csrc/grouped_quantize.cu's
+// kernels, whose plans kernels/quantize_cuda.py gives once per shape (host_plan) or per dtype
+// (host_rows_plan). Every other call (3-D weights, other recipes, float64, x not taken by the
+// kernels) goes to the op's Python kernel.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/extension.h>
@@ -21,6 +22,7 @@
 #if __has_include(<cuda.h>)
 #define COMPILED_MOE_CUDA 1
 #include "cuda_driver.h"
+#include "kernels.h"
 #include "plans.h"
 #endif
 
@@ -65,6 +67,16 @@ pybind11::object& columns_plan() {  // kernels/quantize_cuda.py's host_plan
   static pybind11::object* fn = new pybind11::object();
   return *fn;
 }
+// kernels/quantize_cuda.py's host_rows_plan: the rowwise kernel of a dtype on a device.
+struct RowsPlan {
+  CUfunction function;
+  unsigned sms;
+};
+
+pybind11::object& rows_plan() {  // kernels/quantize_cuda.py's host_rows_plan
+  static pybind11::object* fn = new pybind11::object();
+  return *fn;
+}
 pybind11::object& python_kernel() {  // the op's Python kernel
   static pybind11::object* fn = new pybind11::object();
   return *fn;
@@ -82,7 +94,31 @@ ColumnsPlan PlanCache<ColumnsPlan>::read(const pybind11::handle& p) {
           static_cast<unsigned>(i(3)), static_cast<int>(i(4)), static_cast<int>(i(5)), i(6)};
 }
 
+template <>
+RowsPlan PlanCache<RowsPlan>::read(const pybind11::handle& p) {
+  auto t = p.cast<pybind11::tuple>();
+  return {reinterpret_cast<CUfunction>(t[0].cast<int64_t>()), static_cast<unsigned>(t[1].cast<int64_t>())};
+}
+
 namespace {
+
+// row_q (M, K) e4m3 and row_s (M, ceil(K / 128)) fp32 of 2-D x with unit column stride.
+Outputs quantize_rows(const at::Tensor& x, const RowsPlan& plan) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const auto fp8 = x.options().dtype(at::kFloat8_e4m3fn), fp32 = x.options().dtype(at::kFloat);
+  at::Tensor row_q = at::empty({M, K}, fp8), row_s = at::empty({M, (K + 127) / 128}, fp32);
+  const Outputs out{row_q, row_s, at::empty({0}, fp8), at::empty({0}, fp32)};
+  if (row_q.numel() == 0) return out;
+  const int device = x.device().index();
+  ensure_context(device);
+  const void* x_p = x.data_ptr();
+  void *q_p = row_q.data_ptr(), *s_p = row_s.data_ptr();
+  int64_t x_stride = x.stride(0), m = M, q_stride = row_q.stride(0), s_0 = row_s.stride(0), s_1 = row_s.stride(1);
+  int32_t k = static_cast<int32_t>(K);
+  void* args[] = {&x_p, &x_stride, &m, &k, &q_p, &q_stride, &s_p, &s_0, &s_1};
+  launch(device, plan.function, grid_for(M * ((K + 127) / 128) * 32, plan.sms), 256, 0, args);  // a warp a block
+  return out;
+}
 
 // The plan of 2-D x at its shape, or none where the CUDA kernel does not take it.
 std::optional<ColumnsPlan> plan_for(const at::Tensor& x, const at::Tensor& offs, bool rowwise) {
@@ -96,9 +132,14 @@ Outputs grouped_quantize_cuda(const at::Tensor& x, const std::optional<at::Tenso
                               bool rowwise, bool columnwise) {
   check_grouped_quantize(x, offs, recipe, rowwise, columnwise);
   c10::DeviceGuard guard(x.device());
+  const bool blockwise_2d = x.dim() == 2 && recipe == kRecipes[1] && x.scalar_type() != at::kDouble;
+  if (blockwise_2d && !columnwise && x.stride(1) == 1) {
+    static PlanCache<RowsPlan> rows_plans;
+    const ShapeKey key{{static_cast<int64_t>(x.scalar_type()), x.device().index(), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}};
+    if (std::optional<RowsPlan> rows = rows_plans.get(key, [&] { return rows_plan()(x); })) return quantize_rows(x, *rows);
+  }
   std::optional<ColumnsPlan> plan;
-  if (columnwise && x.dim() == 2 && recipe == kRecipes[1] && x.scalar_type() != at::kDouble &&
-      reinterpret_cast<uint64_t>(x.data_ptr()) % 16 == 0)
+  if (blockwise_2d && columnwise && reinterpret_cast<uint64_t>(x.data_ptr()) % 16 == 0)
     plan = plan_for(x, *offs, rowwise);
   if (!plan) {
     pybind11::gil_scoped_acquire gil;
@@ -140,11 +181,14 @@ torch::Library& library() {
 #endif  // COMPILED_MOE_CUDA
 
 // compiled_moe::grouped_quantize's CUDA kernel: plan(x, offs, rowwise) gives the columnwise
-// kernel's plan for 2-D fp8_blockwise x, or None; python_kernel(x, offs, recipe, rowwise,
-// columnwise) serves the rest. Returns the dispatch keys registered.
-std::vector<std::string> register_grouped_quantize(pybind11::object plan, pybind11::object python_kernel_fn) {
+// kernel's plan for 2-D fp8_blockwise x, or None; rows(x) the rowwise kernel's of x's dtype and
+// device, or None; python_kernel(x, offs, recipe, rowwise, columnwise) serves the rest. Returns
+// the dispatch keys registered.
+std::vector<std::string> register_grouped_quantize(pybind11::object plan, pybind11::object rows,
+                                                   pybind11::object python_kernel_fn) {
 #ifdef COMPILED_MOE_CUDA
   columns_plan() = std::move(plan);
+  rows_plan() = std::move(rows);
   python_kernel() = std::move(python_kernel_fn);
   library().impl("grouped_quantize", torch::dispatch(c10::DispatchKey::CUDA, TORCH_FN(grouped_quantize_cuda)));
   return {"CUDA"};
