@@ -52,8 +52,11 @@ def test_registrations_and_schema():
     # The route: its CUDA kernel (the op has no autograd); CPU stays the reference.
     assert _registered_in_cpp("moe_route", "CUDA") == host.module().has_cuda
     assert not _registered_in_cpp("moe_route", "CPU")
-    # The in-place weight gradient: its CUDA kernel, under its custom_op's Python layers.
+    # The in-place weight gradient: its CUDA kernel, and its autograd kernel for CPU and CUDA
+    # tensors in place of its custom_op's Python layers (which serve the other devices).
     assert _registered_in_cpp("grouped_mm_wgrad_accumulate_", "CUDA") == host.module().has_cuda
+    assert _registered_in_cpp("grouped_mm_wgrad_accumulate_", "AutogradCPU")
+    assert _registered_in_cpp("grouped_mm_wgrad_accumulate_", "AutogradCUDA")
     assert not _registered_in_cpp("grouped_mm_wgrad_accumulate_", "ADInplaceOrView")
     assert _registered_in_cpp("grouped_quantize", "CUDA") == host.module().has_cuda
     assert not _registered_in_cpp("grouped_quantize", "CPU")
@@ -345,6 +348,28 @@ def test_autograd_matches_python_formula():
         os.remove(out)
     for with_layer, without in zip(*results):
         assert torch.equal(with_layer, without)
+
+
+def test_wgrad_accumulate_autograd_kernel():
+    """The in-place weight gradient's C++ autograd kernel: the reference's sums in place (masked
+    groups kept), main_grad's version bumped (what a saved tensor's check reads), inputs that
+    need gradients taken as the custom_op's layers took them (nothing recorded)."""
+    from compiled_moe import reference
+
+    torch.manual_seed(0)
+    main = torch.randn(3, 6, 8)
+    a, g = torch.randn(11, 6, requires_grad=True), torch.randn(11, 8)
+    offs, mask = torch.tensor([2, 2, 9], dtype=torch.int32), torch.tensor([True, False, True])
+    want = main.clone()
+    reference.grouped_mm_wgrad_accumulate_(want, a.detach(), g, offs, mask)
+    version = main._version
+    torch.ops.compiled_moe.grouped_mm_wgrad_accumulate_(main, a, g, offs, mask)
+    assert torch.equal(main, want) and main._version > version
+    saved = torch.randn(3, 6, 8, requires_grad=True) * 1  # an in-place write after a save is caught
+    y = saved.sin()  # saves its input
+    torch.ops.compiled_moe.grouped_mm_wgrad_accumulate_(saved, a.detach(), g, offs)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
 
 
 BLOCK_CASES = [  # (activation, layout, biases, weights need a gradient, w2 a transposed view)

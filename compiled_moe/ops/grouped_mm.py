@@ -287,13 +287,14 @@ def _host_wgrad_accumulate_fallback(main_grad, a, grad_out, offs, accumulate_mas
 
 
 def _register_host_wgrad_accumulate() -> None:
-    """The C++ host layer's CUDA kernel of the in-place weight gradient (csrc/host/ops.cpp):
-    checks and the Hopper launch from C++ under the custom_op's autograd and in-place layers,
-    which stay (a mutating op needs them). The eager call then skips the two custom_ops'
-    Python bodies: 25.8 us a call, 134 before, against 21.1-21.7 for torch._grouped_mm on the
-    H200's host (benchmarks/bench_eager.py --tables ops)."""
+    """The C++ host layer's kernels of the in-place weight gradient (csrc/host/ops.cpp): its
+    autograd kernel (CPU and CUDA tensors), in place of the custom_op's Python autograd and
+    in-place layers, and its CUDA kernel (checks and the Hopper launch). The eager call then
+    skips the two custom_ops' Python bodies (25.8 us a call, 134 before, against 21.1-21.7
+    for torch._grouped_mm on the H200's host, benchmarks/bench_eager.py --tables ops) and the
+    custom_op's layers."""
     module = host_layer()
-    if module is not None and module.has_cuda:
+    if module is not None:
         module.register_grouped_mm_wgrad_accumulate(_host_wgrad_accumulate_fallback)
 
 
