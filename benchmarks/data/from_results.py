@@ -89,21 +89,22 @@ out["experts_block_memory"] = {"section": "The fused expert MLP (memory and kern
 # eager host time
 hdr, rows = table_after('| eager call (us of host time) | this build')
 out["eager_host_time"] = {"section": "Eager calls: host time per op", "date": "2026-11-29",
-    "command": "python benchmarks/bench_eager.py --tables ops (this build, and the day's first build)",
+    "command": "python benchmarks/bench_eager.py --tables ops block generate --json eager.json",
     "unit": "us of host time per call", "peer": "torch._grouped_mm (its row; ratios against it)",
-    "cases": [{"call": r[0].replace('`', ''), "this_build": num(r[1]), "this_build_vs_torch": ratio_in(r[1]),
-               "first_build": num(r[2]), "first_build_vs_torch": ratio_in(r[2])} for r in rows]}
+    "cases": [{"call": r[0].replace('`', ''), "host_us": num(r[1]), "vs_torch": ratio_in(r[1])} for r in rows]}
 hdr, rows = table_after('| T | forward: ours / HF (us)')
 def pair(s):
     a, b = s.split('(')[0].split('/'); return num(a), num(b)
 out["eager_experts_block"] = {"section": "Eager calls: the eager experts block (Qwen3-30B-A3B shape, skewed routing)", "date": "2026-11-29",
-    "command": "python benchmarks/bench_eager.py --json eager.json", "peer": "Hugging Face grouped_mm experts backend, eager",
+    "command": "python benchmarks/bench_eager.py --tables ops block generate --json eager.json",
+    "peer": "Hugging Face grouped_mm experts backend, eager",
     "cases": [{"T": int(r[0]), "forward_us": dict(zip(["ours", "hf"], pair(r[1]))), "fwd_bwd_us": dict(zip(["ours", "hf"], pair(r[2]))),
                "fwd_bwd_gpu_us": dict(zip(["ours", "hf"], pair(r[3]))),
+               "fwd_bwd_other_us": dict(zip(["fused_mlp", "unfused"], pair(r[4]))),
                "forward_hf_over_ours": ratio_in(r[1]), "fwd_bwd_hf_over_ours": ratio_in(r[2])} for r in rows]}
 hdr, rows = table_after('| run | compiled_moe tokens/s')
 out["generate"] = {"section": "Eager calls: Hugging Face generate()", "date": "2026-11-29",
-    "command": "python benchmarks/bench_eager.py --tables generate",
+    "command": "python benchmarks/bench_eager.py --tables ops block generate --json eager.json",
     "unit": "tokens/s", "peer": "Hugging Face grouped_mm backend (batched_mm while decoding)",
     "cases": [{"run": r[0], "compiled_moe": num(r[1]), "hf_grouped_mm": num(r[2]), "hf_eager": num(r[4])}
               for r in rows]}
