@@ -279,7 +279,7 @@ def test_quantize_same_bits_as_the_python_kernel(dtype, rowwise, columnwise, M, 
     columnwise."""
     from compiled_moe.ops import fp8
 
-    assert "csrc/host/quantize.cpp" in \
+    assert "csrc/host/fp8.cpp" in \
         torch._C._dispatch_dump("compiled_moe::grouped_quantize").split("CUDA:")[1].splitlines()[0]
     g = torch.Generator().manual_seed(M + K)
     buffer = torch.randn(M, K + 8, generator=g) * 3
@@ -297,3 +297,48 @@ def test_quantize_same_bits_as_the_python_kernel(dtype, rowwise, columnwise, M, 
             assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype, name
             assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                                b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), name
+
+
+# ---------------------------------------------------------------------------- scaled_grouped_mm
+
+
+@pytest.mark.parametrize("M,K,N,G", [(1000, 512, 384, 8), (64, 256, 256, 4), (2048, 1024, 512, 4)])
+def test_scaled_mm_same_bits_as_the_ctypes_launch(M, K, N, G, monkeypatch):
+    """scaled_grouped_mm (fp8_blockwise) through csrc/host/fp8.cpp: the registered CUDA kernel
+    is the layer's; its outputs equal, bit for bit, the same kernel launched by the Python
+    launcher's ctypes path (the layer's launch switched off), with and without a bias (rows at
+    odd offsets too), in every output dtype and tile variant; no host sync. An unaligned a
+    takes the Python kernel."""
+    from compiled_moe.kernels import scaled_grouped_mm_sm90 as sm90
+
+    assert "csrc/host/fp8.cpp" in \
+        torch._C._dispatch_dump("compiled_moe::scaled_grouped_mm").split("CUDA:")[1].splitlines()[0]
+    g = torch.Generator().manual_seed(M + N)
+    x = torch.randn(M, K, generator=g).bfloat16().cuda()
+    w = (torch.randn(G, N, K, generator=g) / K ** 0.5).bfloat16().cuda()
+    offs = random_offsets(M, G, generator=g, empty_groups=1, tail=3).cuda()
+    xq = cm.grouped_quantize(x, offs, "fp8_blockwise")
+    wq = cm.grouped_quantize(w, None, "fp8_blockwise")
+    args = (xq[0], wq[0].mT, xq[1], wq[1], offs)
+    wide_bias = torch.randn(G, N + 1, generator=g).cuda()
+    for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for bias in (None, wide_bias[:, :N].bfloat16(), wide_bias[:, 1:]):
+            op = lambda: torch.ops.compiled_moe.scaled_grouped_mm(*args, "fp8_blockwise", out_dtype, bias)  # noqa: E731
+            op()  # the plan, outside the check
+            with no_sync():
+                got = op()
+            with monkeypatch.context() as m:
+                m.setattr(sm90.host_layer, "cuda_module", lambda: None)
+                want = torch.full((M, N), float("nan"), device="cuda", dtype=out_dtype)
+                sm90.scaled_grouped_mm(*args, want, bias)
+            assert torch.equal(got, want), (out_dtype, bias is not None)
+            for cluster, block_n in ((2, 128), (1, 256)):  # the launcher's variants, from C++
+                variant = torch.full((M, N), float("nan"), device="cuda", dtype=out_dtype)
+                sm90.scaled_grouped_mm(*args, variant, bias, cluster=cluster, block_n=block_n)
+                assert torch.equal(variant, want), (out_dtype, cluster, block_n)
+    unaligned = torch.empty(M * K + 8, device="cuda", dtype=torch.float8_e4m3fn)[8:].view(M, K)
+    unaligned.copy_(xq[0])
+    from compiled_moe.ops import fp8
+
+    got = torch.ops.compiled_moe.scaled_grouped_mm(unaligned, *args[1:], "fp8_blockwise")
+    assert torch.equal(got, fp8._scaled_grouped_mm._kernel(unaligned, *args[1:], "fp8_blockwise"))

@@ -60,6 +60,8 @@ def test_registrations_and_schema():
     assert not _registered_in_cpp("grouped_mm_wgrad_accumulate_", "ADInplaceOrView")
     assert _registered_in_cpp("grouped_quantize", "CUDA") == host.module().has_cuda
     assert not _registered_in_cpp("grouped_quantize", "CPU")
+    assert _registered_in_cpp("scaled_grouped_mm", "CUDA") == host.module().has_cuda
+    assert not _registered_in_cpp("scaled_grouped_mm", "CPU")
     # The row ops: their CUDA kernels; autograd formulas and CPU paths stay Python's.
     for op in _ROW_OPS:
         assert _registered_in_cpp(op, "CUDA") == host.module().has_cuda, op
@@ -194,6 +196,62 @@ def test_quantize_errors_are_the_python_checks(case):
     host.module().check_grouped_quantize(torch.randn(10, 256), offs, "fp8_blockwise", True, True)
     host.module().check_grouped_quantize(torch.randn(2, 128, 256), None, "mxfp8", True, True)
     host.module().check_grouped_quantize(torch.randn(10, 256), None, "fp8_rowwise", True, False)
+
+
+def _scaled_mm_operands(recipe="fp8_blockwise", M=10, K=256, N=192, G=3):
+    """Good scaled_grouped_mm arguments: (a, b, a_scale, b_scale, offs) of a recipe."""
+    from compiled_moe import reference
+
+    _, ac = reference.fp8_block(recipe)
+    br, bc = reference.fp8_block(recipe, weight=True)
+    blocks = lambda cols, block: 1 if block == 0 else -(-cols // block)  # noqa: E731
+    scale = torch.uint8 if recipe == "mxfp8" else torch.float32
+    a = torch.zeros(M, K, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(G, N, K, dtype=torch.float8_e4m3fn).mT
+    return (a, b, torch.ones(M, blocks(K, ac), dtype=scale), torch.ones(G, -(-N // br), blocks(K, bc), dtype=scale),
+            torch.tensor([3, 3, 10], dtype=torch.int32))
+
+
+def _bad_scaled_mm_calls():
+    a, b, a_s, b_s, offs = _scaled_mm_operands()
+    r = "fp8_blockwise"
+    bias = torch.zeros(3, 192)
+    return {
+        "recipe": (a, b, a_s, b_s, offs, "fp4", None, None),
+        "a 3-D": (a[None], b, a_s, b_s, offs, r, None, None),
+        "a bf16": (a.bfloat16(), b, a_s, b_s, offs, r, None, None),
+        "b 2-D": (a, b[0], a_s, b_s, offs, r, None, None),
+        "b e5m2": (a, b.to(torch.float8_e5m2), a_s, b_s, offs, r, None, None),
+        "offs groups": (a, b, a_s, b_s, offs[:2], r, None, None),
+        "offs int64": (a, b, a_s, b_s, offs.long(), r, None, None),
+        "b_scale elsewhere": (a, b, a_s, b_s.to("meta"), offs, r, None, None),
+        "bias elsewhere": (a, b, a_s, b_s, offs, r, None, bias.to("meta")),
+        "bias shape": (a, b, a_s, b_s, offs, r, None, bias[:, :5]),
+        "bias int": (a, b, a_s, b_s, offs, r, None, bias.int()),
+        "K": (a[:, :128], b, a_s, b_s, offs, r, None, None),
+        "a column-major": (a.T.contiguous().T, b, a_s, b_s, offs, r, None, None),
+        "b N-major": (a, b.contiguous(), a_s, b_s, offs, r, None, None),
+        "a_scale dtype": (a, b, a_s.double(), b_s, offs, r, None, None),
+        "a_scale 1-D": (a, b, a_s[:, 0], b_s, offs, r, None, None),
+        "a_scale shape": (a, b, a_s[:, :1], b_s, offs, r, None, None),
+        "b_scale shape": (a, b, a_s, b_s[:, :1], offs, r, None, None),
+        "mxfp8 scales": (*_scaled_mm_operands("fp8_blockwise")[:4], offs, "mxfp8", None, None),
+        "rowwise scales": (*_scaled_mm_operands("mxfp8")[:4], offs, "fp8_rowwise", None, None),
+        "out_dtype": (a, b, a_s, b_s, offs, r, torch.float64, None),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_scaled_mm_calls()))
+def test_scaled_mm_errors_are_the_python_checks(case):
+    """scaled_grouped_mm's C++ checks (its CUDA kernel makes them): the Python checks' exception
+    types and messages, word for word; good arguments of each recipe pass."""
+    from compiled_moe.ops import fp8
+
+    args = _bad_scaled_mm_calls()[case]
+    assert_same_error(fp8._check_scaled_mm, host.module().check_scaled_grouped_mm, *args)
+    for recipe in ("fp8_blockwise", "fp8_rowwise", "mxfp8"):
+        for out_dtype, bias in ((None, None), (torch.float32, torch.zeros(3, 192, dtype=torch.bfloat16))):
+            host.module().check_scaled_grouped_mm(*_scaled_mm_operands(recipe), recipe, out_dtype, bias)
 
 
 _BAD_ROUTES = {

@@ -118,7 +118,7 @@ def quantize_group_columns(x, offs, col_q, col_s, row_q, row_s, recipe: str,
 
 def host_plan(x, offs, rowwise: bool):
     """The C++ host layer's question on its first grouped_quantize call at a shape (2-D x,
-    fp8_blockwise, columnwise output; csrc/host/quantize.cpp's ColumnsPlan): (kernel handle,
+    fp8_blockwise, columnwise output; csrc/host/fp8.cpp's ColumnsPlan): (kernel handle,
     grid, threads, shared bytes, stages, rows per band, slots), or None where the kernel does
     not take x (then the op's Python kernel serves). The address is checked at each call."""
     recipe = "fp8_blockwise"

@@ -8,10 +8,11 @@ alignment rules (``supported`` / ``wgrad_supported``); everything else runs the 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
-from compiled_moe import native
+from compiled_moe import host as host_layer, native
 from compiled_moe.native import TMA_ALIGN as _ALIGN, hopper
 from compiled_moe.native import tma_aligned as aligned  # noqa: F401 (the ops' launch check)
 from compiled_moe.kernels.configs import (FP8_WGRAD_CLAIM_STEPS, fp8_blockwise_sm90_config,
@@ -78,51 +79,93 @@ _KERNELS = {(1, 128): "fp8_blockwise_grouped_mm", (2, 128): "fp8_blockwise_group
             (1, 256): "fp8_blockwise_grouped_mm_n256"}
 
 
-def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, bias=None, num_stages=None,
-                      cluster=None, block_n=None) -> None:
-    """out (M, N) = a (M, K) @ b (G, K, N) (+ bias (G, N)), e4m3 K-major operands with
-    blockwise scales. The caller checked ``supported``, ``aligned`` and M, N, K > 0. cluster
-    (1 or 2) and block_n (128 or 256: the tile's columns; 256 without a cluster and for 2-byte
-    outputs only), by default the config's: CTAs that share each a tile by TMA multicast."""
-    M, K = a.shape
-    G, _, N = b.shape
-    dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    i32, i64 = native.int32, native.int64
+class ForwardPlan(NamedTuple):
+    """What a forward launch needs beyond its tensors, fixed for a problem's shape: the kernel
+    (driver handle), its grid, shared memory and ring depth. Computed once per shape, used by
+    this module's launcher and by the C++ host layer (compiled_moe.host), which asks for it on
+    its first call at a shape."""
+    function: int
+    grid: int
+    shared_bytes: int
+    num_stages: int
+
+
+def scale_offsets_fit(a_scale, b_scale) -> bool:
+    """The consumers index the scales with int32 offsets and step one past the last: the
+    128 x 256 tiles need the largest offset below 2**30."""
+    return max(_last_offset(a_scale), _last_offset(b_scale)) < 2**30
+
+
+def forward_plan(M: int, N: int, K: int, G: int, out_dtype: torch.dtype, has_bias: bool,
+                 scales_fit: bool, dev: int, num_stages=None, cluster=None,
+                 block_n=None) -> ForwardPlan:
+    """The launch of out (M, N) = a (M, K) @ b (G, K, N): cluster (1 or 2) and block_n (128 or
+    256: the tile's columns; 256 without a cluster and for 2-byte outputs only), by default the
+    config's: CTAs that share each a tile by TMA multicast."""
     cfg = fp8_blockwise_sm90_config(size_hint(M), N, K, G)
     cluster = cluster or cfg.cluster
     block_n = block_n or cfg.block_n
     # 128 x 256 tiles: 2-byte outputs (fp32 staging would not fit beside the ring), no cluster,
-    # and scale offsets that fit in an int32 with a k step to spare (the consumers index the
-    # scales so, and step one past the last).
-    if (out.element_size() > 2 or cluster > 1
-            or max(_last_offset(a_scale), _last_offset(b_scale)) >= 2**30):
+    # and scale offsets that fit in an int32 with a k step to spare.
+    if out_dtype.itemsize > 2 or cluster > 1 or not scales_fit:
         block_n = 128
+    shared = lambda n: _shared_bytes(G, n, out_dtype, block_n)  # noqa: E731
+    num_stages = fit_stages(num_stages or cfg.num_stages, shared)
+    name = _KERNELS[cluster, block_n] + ("_bias" if has_bias else "")
+    kernel = native.kernel("fp8_grouped_mm", name, dev)
+    grid = _num_sms(dev) // cluster * cluster
+    if cluster > 1:
+        fit = native.max_active_clusters(kernel, _THREADS, shared(num_stages), grid)
+        grid = min(grid, cluster * max(fit, 1))
+    return ForwardPlan(native.function_handle(kernel, dev), grid, shared(num_stages), num_stages)
+
+
+def host_plan(a, b, a_scale, b_scale, bias, out_dtype):
+    """The C++ host layer's question on its first scaled_grouped_mm call (fp8_blockwise) at a
+    shape: the plan where the Hopper kernel applies to these operands (``supported``, M, N,
+    K > 0), else None (then the op's Python kernel serves). Addresses are checked at each
+    call."""
+    (M, K), (G, _, N) = a.shape, b.shape
+    if not (supported(a, b, "fp8_blockwise", bias) and M > 0 and N > 0 and K > 0):
+        return None
+    return forward_plan(M, N, K, G, out_dtype, bias is not None,
+                        scale_offsets_fit(a_scale, b_scale), a.device.index)
+
+
+def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, bias=None, num_stages=None,
+                      cluster=None, block_n=None) -> None:
+    """out (M, N) = a (M, K) @ b (G, K, N) (+ bias (G, N)), e4m3 K-major operands with
+    blockwise scales. The caller checked ``supported``, ``aligned`` and M, N, K > 0; the
+    launch options are forward_plan's."""
+    M, K = a.shape
+    G, _, N = b.shape
+    dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    plan = forward_plan(M, N, K, G, out.dtype, bias is not None,
+                        scale_offsets_fit(a_scale, b_scale), dev, num_stages, cluster, block_n)
+    host = host_layer.cuda_module()
+    if host is not None:  # maps and launch from C++, without ctypes' argument packing
+        host.launch_fp8_blockwise_sm90(a, b, a_scale, b_scale, offs, bias, out, plan)
+        return
+    i32, i64 = native.int32, native.int64
     # Boxes of 64 rows: a tile's two halves (with a cluster, each CTA loads one into both).
+    # (csrc/host/fp8.cpp's launch_fp8_blockwise_sm90 builds the same maps.)
     a_map = native.tensor_map(a.data_ptr(), (K, M), (a.stride(0),), (128, 64))
     a_rows_map = native.tensor_map(a.data_ptr(), (K, M), (a.stride(0),), (128, 16))  # a few rows
-    shared = lambda n: _shared_bytes(G, n, out.dtype, block_n)  # noqa: E731
-    num_stages = fit_stages(num_stages or cfg.num_stages, shared)
     b_map = native.tensor_map(b.data_ptr(), (K, N, G), (b.stride(2), b.stride(0)), (128, 128, 1))
     es = out.element_size()
     out_map = native.tensor_map(out.data_ptr(), (N, M, 1), (out.stride(0) * es, out.stride(0) * es * M),
                                 (128 // es, 64, 1), _OUT_MAP_TYPES[out.dtype])
     offs = offs.contiguous()
     bias = bias_in_pairs(bias)
-    name = _KERNELS[cluster, block_n] + ("_bias" if bias is not None else "")
-    kernel = native.kernel("fp8_grouped_mm", name, dev)
-    grid = _num_sms(dev) // cluster * cluster
-    if cluster > 1:
-        fit = native.max_active_clusters(kernel, _THREADS, shared(num_stages), grid)
-        grid = min(grid, cluster * max(fit, 1))
-    native.launch_driver(
-        kernel, grid, _THREADS, shared(num_stages),
+    native.launch_function(
+        plan.function, plan.grid, _THREADS, plan.shared_bytes,
         a_map, a_rows_map, b_map, out_map,
         a_scale, i64(a_scale.stride(0)), i32(a_scale.stride(1)),
         b_scale, i64(b_scale.stride(0)), i32(b_scale.stride(1)), i32(b_scale.stride(2)),
         out, i32(_OUT_KINDS[out.dtype]), i64(out.stride(0)),
         bias if bias is not None else i64(0), i32(_OUT_KINDS[bias.dtype] if bias is not None else -1),
         i64(bias.stride(0) if bias is not None else 0),
-        offs, i32(M), i32(N), i32(K), i32(G), i32(num_stages),
+        offs, i32(M), i32(N), i32(K), i32(G), i32(plan.num_stages),
     )
 
 

@@ -155,7 +155,7 @@ def _quantize_outputs(x, offs, recipe, rowwise, columnwise, shape=None):
 
 
 def _register_host_quantize(module) -> list[str]:
-    """The C++ host layer's grouped_quantize CUDA kernel (csrc/host/quantize.cpp): checks and
+    """The C++ host layer's grouped_quantize CUDA kernel (csrc/host/fp8.cpp): checks and
     the launch of the CUDA kernels for 2-D fp8_blockwise x, columnwise (its plan asked of
     quantize_cuda.host_plan once per shape) or rowwise only (quantize_cuda.host_rows_plan, once
     per dtype and device); the op's Python kernel serves the rest."""
@@ -355,9 +355,21 @@ def _check_scaled_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype, bias=None)
     _check_out(out_dtype)
 
 
+def _register_host_scaled_mm(module) -> list[str]:
+    """The C++ host layer's scaled_grouped_mm CUDA kernel (csrc/host/fp8.cpp): checks and the
+    Hopper kernel's launch for fp8_blockwise (its plan asked of scaled_grouped_mm_sm90.host_plan
+    once per shape); the op's Python kernel serves the rest."""
+    from compiled_moe import native
+
+    if not (module.has_cuda and native.available()):
+        return []
+    return module.register_scaled_grouped_mm(lambda *args: _sm90().host_plan(*args),
+                                             lambda *args: _scaled_grouped_mm._kernel(*args))
+
+
 # bias (G, N), optional: added to each group's fp32 product before it is rounded to out_dtype
 # (as grouped_mm does); it comes last in the schema so that calls without it keep their form.
-@kernel_op("scaled_grouped_mm", device_types=("cuda", "cpu"), traced=True)
+@kernel_op("scaled_grouped_mm", device_types=("cuda", "cpu"), traced=True, host=_register_host_scaled_mm)
 @on_tensor_device
 def _scaled_grouped_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, offs: Tensor,
                        recipe: str, out_dtype: Optional[torch.dtype] = None,

@@ -18,7 +18,8 @@ std::vector<std::string> register_row_op(const std::string& op, pybind11::object
 // register_row_op and the row ops' checks, on the extension module.
 void bind_rows(pybind11::module_& m);
 
-// quantize.cpp: grouped_quantize's registration and checks, on the extension module.
-void bind_quantize(pybind11::module_& m);
+// fp8.cpp: the FP8 ops' registrations and checks (grouped_quantize, scaled_grouped_mm), on the
+// extension module.
+void bind_fp8(pybind11::module_& m);
 
 }  // namespace compiled_moe

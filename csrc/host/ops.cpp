@@ -2,7 +2,7 @@
 // torch.ops.compiled_moe.grouped_mm, grouped_mm_wgrad, grouped_mm_wgrad_accumulate_ and
 // moe_route runs, and the experts block's forward in one call, from the dispatcher to the
 // driver without Python (argument checks, autograd, the device guard, tensor maps, the launch
-// on torch's current stream). The row ops are in rows.cpp, grouped_quantize in quantize.cpp.
+// on torch's current stream). The row ops are in rows.cpp, the FP8 ops in fp8.cpp.
 //
 // Python keeps what a compiled graph needs (schemas, fake functions, the traced bodies that
 // inductor inlines, the CPU reference) and what is chosen once per problem shape: whether the
@@ -35,6 +35,7 @@
 #if __has_include(<cuda.h>)
 #define COMPILED_MOE_CUDA 1
 #include "cuda_driver.h"
+#include "hopper.h"
 #include "kernels.h"
 #include "plans.h"
 #endif
@@ -222,19 +223,7 @@ void grouped_mm_wgrad_accumulate_autograd(const at::Tensor& main_grad, const at:
 #ifdef COMPILED_MOE_CUDA
 // ------------------------------------------------------------------------------ Hopper launch
 
-constexpr unsigned kThreads = 384;  // csrc/grouped_mm.cu: a producer warp and two consumer warpgroups
 constexpr unsigned kOrderScratchBytes = 8 * ((256 + 2) / 2 + 2 * 32 + 1);  // csrc/sm90.cuh's ORDER_SCRATCH
-constexpr int64_t kAlign = 16;      // TMA: base addresses and strides, in bytes
-
-int out_kind(c10::ScalarType t) {  // csrc/grouped_mm.cu's output kinds
-  return t == c10::kBFloat16 ? 0 : t == c10::kHalf ? 1 : 2;
-}
-
-CUtensorMapDataType out_map_type(c10::ScalarType t) {
-  return t == c10::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-         : t == c10::kHalf   ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                             : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
-}
 
 // kernels/grouped_mm_sm90.py's ForwardPlan, read once per shape.
 struct ForwardPlan {
@@ -250,12 +239,6 @@ ForwardPlan read_plan(const pybind11::handle& p) {
   return {reinterpret_cast<CUfunction>(i(0)), reinterpret_cast<CUfunction>(i(1)),
           static_cast<unsigned>(i(2)), static_cast<unsigned>(i(3)), static_cast<int>(i(4)),
           static_cast<int>(i(5)), static_cast<int>(i(6)), static_cast<int>(i(7)), static_cast<unsigned>(i(8))};
-}
-
-CUtensorMap map2d(uint64_t address, uint64_t cols_bytes, uint64_t rows, uint64_t row_stride_bytes,
-                  uint32_t box_cols, uint32_t box_rows) {
-  return tensor_map({address, {cols_bytes, rows, 0}, {row_stride_bytes, 0}, {box_cols, box_rows, 0}, 2,
-                     CU_TENSOR_MAP_DATA_TYPE_UINT8});
 }
 
 // out (M, N) = a (M, K) @ b[g] (K, N) (+ bias[g]); the maps and launches of
@@ -284,10 +267,7 @@ void launch_grouped_mm_sm90(const at::Tensor& a, const at::Tensor& b, const at::
                                     out_map_type(out.scalar_type())});
   at::Tensor partial;
   if (plan.max_splits > 1) partial = at::empty({plan.max_splits * M * N + 2}, a.options().dtype(at::kFloat));
-  // Bias rows must start on even elements (the kernel copies two columns as one piece).
-  at::Tensor bias_t = bias ? *bias : at::Tensor();
-  if (bias_t.defined() && (bias_t.stride(0) % 2 || reinterpret_cast<uint64_t>(bias_t.data_ptr()) % (2 * bias_t.element_size())))
-    bias_t = bias_t.clone(at::MemoryFormat::Contiguous);
+  const at::Tensor bias_t = bias_in_pairs(bias);
 
   void* out_ptr = out.data_ptr();
   int32_t kind = out_kind(out.scalar_type());
@@ -302,7 +282,7 @@ void launch_grouped_mm_sm90(const at::Tensor& a, const at::Tensor& b, const at::
   void* partial_ptr = partial.defined() ? partial.data_ptr() : nullptr;
   void* args[] = {&a_map, &a_rows_map, &b_map, &out_map, &out_ptr, &kind, &out_stride, &bias_ptr,
                   &bias_kind, &bias_stride, &offs_ptr, &m, &n, &k, &g, &stages, &partial_ptr, &splits, &forced};
-  launch(device, plan.function, plan.grid, kThreads, plan.shared_bytes, args);
+  launch(device, plan.function, plan.grid, kHopperThreads, plan.shared_bytes, args);
   if (partial.defined()) {
     void* sum_args[] = {&partial_ptr, &out_ptr, &kind, &out_stride, &m, &n, &splits};
     launch(device, plan.split_sum, plan.split_sum_grid, 256, 0, sum_args);
@@ -328,12 +308,6 @@ pybind11::object& grouped_mm_fallback() {  // kernels/grouped_mm.py's Triton lau
 bool triton_forced() {  // COMPILED_MOE_GEMM=triton turns the CUDA kernels off
   const char* gemm = std::getenv("COMPILED_MOE_GEMM");
   return gemm != nullptr && std::string(gemm) == "triton";
-}
-
-bool tma_aligned(std::initializer_list<const at::Tensor*> tensors) {
-  for (const at::Tensor* t : tensors)
-    if (reinterpret_cast<uint64_t>(t->data_ptr()) % kAlign != 0) return false;
-  return true;
 }
 
 // grouped_mm on a CUDA device past its checks, under the caller's device guard.
@@ -425,8 +399,8 @@ void launch_grouped_mm_wgrad_sm90(const at::Tensor& a, const at::Tensor& grad_ou
   launch(device, plan.tile_order, 1, 256, kOrderScratchBytes, order_args);
   void* args[] = {&a_map, &g_map, &out_map, &kind, &add, &mask, &offs_p, &m, &p, &q, &g, &stages,
                   &maps_p, &order_p};
-  launch(device, plan.function, plan.grid, kThreads, plan.shared_bytes, args);
-  launch(device, plan.claimed, plan.grid, kThreads, plan.shared_bytes, args);
+  launch(device, plan.function, plan.grid, kHopperThreads, plan.shared_bytes, args);
+  launch(device, plan.claimed, plan.grid, kHopperThreads, plan.shared_bytes, args);
 }
 
 at::Tensor grouped_mm_wgrad_cuda(const at::Tensor& a, const at::Tensor& grad_out, const at::Tensor& offs,
@@ -805,7 +779,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("check_grouped_mm_wgrad_accumulate", &compiled_moe::check_grouped_mm_wgrad_accumulate);
   m.def("moe_experts", &compiled_moe::moe_experts);
   compiled_moe::bind_rows(m);
-  compiled_moe::bind_quantize(m);
+  compiled_moe::bind_fp8(m);
 #ifdef COMPILED_MOE_CUDA
   m.attr("has_cuda") = true;
   m.def("launch_grouped_mm_sm90", [](const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,

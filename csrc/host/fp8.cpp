@@ -1,0 +1,411 @@
+// The C++ host layer's FP8 ops, from the dispatcher to the driver without Python: checks with
+// the Python messages (compiled_moe/ops/fp8.py), the device guard, outputs in the Python
+// layouts, and the launch of the CUDA kernels whose plans Python gives once per shape.
+//
+// grouped_quantize: the FP8 step's activation quantizations, 2-D x to fp8_blockwise, with
+// columnwise output (and rowwise in the same launch: a training step's) or rowwise only (the
+// forward's), csrc/grouped_quantize.cu's kernels (plans: kernels/quantize_cuda.py's host_plan,
+// per shape, and host_rows_plan, per dtype). scaled_grouped_mm: fp8_blockwise on Hopper,
+// csrc/fp8_grouped_mm.cu's forward kernel (plan: kernels/scaled_grouped_mm_sm90.py's
+// host_plan). Every other call (3-D weights, other recipes, float64, operands the kernels do
+// not take) goes to the op's Python kernel.
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <array>
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "bindings.h"
+#include "checks.h"
+
+#if __has_include(<cuda.h>)
+#define COMPILED_MOE_CUDA 1
+#include "cuda_driver.h"
+#include "hopper.h"
+#include "kernels.h"
+#include "plans.h"
+#endif
+
+namespace compiled_moe {
+
+// ------------------------------------------------------------------------------ checks
+
+constexpr std::array<const char*, 3> kRecipes = {"fp8_rowwise", "fp8_blockwise", "mxfp8"};  // reference.FP8_RECIPES
+
+namespace {
+
+void check_recipe(const std::string& recipe) {  // reference.check_recipe
+  CM_CHECK_VALUE(recipe == kRecipes[0] || recipe == kRecipes[1] || recipe == kRecipes[2], "recipe must be one of ",
+                 py_tuple(kRecipes), ", got ", py_repr(recipe));
+}
+
+// check_tensor(name, t, ndim, (dtype,)) of one dtype.
+void check_tensor_of(const char* name, const at::Tensor& t, int64_t ndim, c10::ScalarType dtype) {
+  check_dims(name, t, ndim);
+  CM_CHECK_TYPE(t.scalar_type() == dtype, name, " must have dtype in (", dtype_name(dtype).substr(6), "), got ",
+                dtype_name(t.scalar_type()));
+}
+
+c10::ScalarType scale_dtype(const std::string& recipe) {  // ops/fp8.py's quantized_scale_dtype
+  return recipe == kRecipes[2] ? at::kByte : at::kFloat;
+}
+
+// ops/fp8.py's _check_scale.
+void check_scale(const char* name, const at::Tensor& scale, c10::SymIntArrayRef shape, const std::string& recipe) {
+  check_tensor_of(name, scale, static_cast<int64_t>(shape.size()), scale_dtype(recipe));
+  CM_CHECK_VALUE(scale.sym_sizes() == shape, name, " must have shape ", shape_str(shape), " for recipe ",
+                 py_repr(recipe), ", got ", shape_str(scale.sym_sizes()));
+}
+
+// Scales of `cols` columns in blocks of `block` (0: the whole row): ops/fp8.py's _blocks.
+c10::SymInt blocks(const c10::SymInt& cols, int64_t block) { return block == 0 ? c10::SymInt(1) : (cols + block - 1) / block; }
+
+}  // namespace
+
+// compiled_moe/ops/fp8.py's _check_quantize.
+void check_grouped_quantize(const at::Tensor& x, const std::optional<at::Tensor>& offs, const std::string& recipe,
+                            bool rowwise, bool columnwise) {
+  check_recipe(recipe);
+  CM_CHECK_VALUE(x.dim() == 2 || x.dim() == 3,
+                 "x must be 2-D (M, K) activations or 3-D (G, N, K) weights, got shape ", shape_str(x.sym_sizes()));
+  check_tensor("x", x, x.dim());
+  CM_CHECK_VALUE(rowwise || columnwise, "ask for rowwise and/or columnwise output");
+  if (x.dim() == 3) {
+    CM_CHECK_VALUE(!offs, "offs must be None for 3-D x (its groups are the leading dimension)");
+    return;
+  }
+  if (!offs) {
+    CM_CHECK_VALUE(!columnwise, "offs is required for columnwise quantization of 2-D x: columnwise blocks stop at "
+                                "group ends");
+    return;
+  }
+  check_offs(*offs);
+  check_same_device("x", x, "offs", *offs);
+}
+
+// compiled_moe/ops/fp8.py's _check_scaled_mm.
+void check_scaled_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale,
+                             const at::Tensor& b_scale, const at::Tensor& offs, const std::string& recipe,
+                             std::optional<c10::ScalarType> out_dtype, const std::optional<at::Tensor>& bias) {
+  check_recipe(recipe);
+  check_tensor_of("a", a, 2, at::kFloat8_e4m3fn);
+  check_tensor_of("b", b, 3, at::kFloat8_e4m3fn);
+  check_offs(offs, b.sym_size(0));
+  check_same_device("a", a, "b", b);
+  check_same_device("a", a, "a_scale", a_scale);
+  check_same_device("a", a, "b_scale", b_scale);
+  check_same_device("a", a, "offs", offs);
+  if (bias) {
+    check_same_device("a", a, "bias", *bias);
+    check_tensor("bias", *bias, 2);
+    CM_CHECK_VALUE(bias->sym_size(0) == b.sym_size(0) && bias->sym_size(1) == b.sym_size(2),
+                   "bias must have shape (G, N) = (", size_str(b.sym_size(0)), ", ", size_str(b.sym_size(2)), "), got ",
+                   shape_str(bias->sym_sizes()));
+  }
+  const c10::SymInt &m = a.sym_size(0), &k = a.sym_size(1), &g = b.sym_size(0), &n = b.sym_size(2);
+  CM_CHECK_VALUE(k == b.sym_size(1), "a has K=", size_str(k), " columns but b is (G, K, N) = ", shape_str(b.sym_sizes()),
+                 "; K must match");
+  CM_CHECK_VALUE(a.stride(1) == 1, "a must be row-major (a.stride(1) == 1): FP8 tensor cores read it K-major");
+  CM_CHECK_VALUE(b.stride(1) == 1, "b must be K-major (b.stride(1) == 1): pass the rowwise data of a (G, N, K) weight "
+                                   "as data.transpose(-2, -1)");
+  // reference.fp8_block: (rows, columns) of a scale's block, the weight's and the activation's.
+  const int64_t weight_rows = recipe == kRecipes[1] ? 128 : 1;
+  const int64_t columns = recipe == kRecipes[1] ? 128 : recipe == kRecipes[2] ? 32 : 0;
+  check_scale("a_scale", a_scale, {m, blocks(k, columns)}, recipe);
+  check_scale("b_scale", b_scale, {g, (n + weight_rows - 1) / weight_rows, blocks(k, columns)}, recipe);
+  CM_CHECK_TYPE(!out_dtype || *out_dtype == at::kBFloat16 || *out_dtype == at::kHalf || *out_dtype == at::kFloat,
+                "out_dtype must be one of (torch.bfloat16, torch.float16, torch.float32) or None, got ",
+                out_dtype ? dtype_name(*out_dtype) : "None");
+}
+
+#ifdef COMPILED_MOE_CUDA
+namespace {
+
+// kernels/quantize_cuda.py's ColumnsPlan, read once per shape.
+struct ColumnsPlan {
+  CUfunction function;
+  unsigned grid, threads, shared_bytes;
+  int num_stages, group_m;
+  int64_t slots;
+};
+
+pybind11::object& columns_plan() {  // kernels/quantize_cuda.py's host_plan
+  static pybind11::object* fn = new pybind11::object();
+  return *fn;
+}
+// kernels/quantize_cuda.py's host_rows_plan: the rowwise kernel of a dtype on a device.
+struct RowsPlan {
+  CUfunction function;
+  unsigned sms;
+};
+
+pybind11::object& rows_plan() {  // kernels/quantize_cuda.py's host_rows_plan
+  static pybind11::object* fn = new pybind11::object();
+  return *fn;
+}
+pybind11::object& quantize_python_kernel() {  // the op's Python kernel
+  static pybind11::object* fn = new pybind11::object();
+  return *fn;
+}
+
+using Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+}  // namespace
+
+template <>
+ColumnsPlan PlanCache<ColumnsPlan>::read(const pybind11::handle& p) {
+  auto t = p.cast<pybind11::tuple>();
+  auto i = [&t](int k) { return t[k].cast<int64_t>(); };
+  return {reinterpret_cast<CUfunction>(i(0)), static_cast<unsigned>(i(1)), static_cast<unsigned>(i(2)),
+          static_cast<unsigned>(i(3)), static_cast<int>(i(4)), static_cast<int>(i(5)), i(6)};
+}
+
+template <>
+RowsPlan PlanCache<RowsPlan>::read(const pybind11::handle& p) {
+  auto t = p.cast<pybind11::tuple>();
+  return {reinterpret_cast<CUfunction>(t[0].cast<int64_t>()), static_cast<unsigned>(t[1].cast<int64_t>())};
+}
+
+namespace {
+
+// row_q (M, K) e4m3 and row_s (M, ceil(K / 128)) fp32 of 2-D x with unit column stride.
+Outputs quantize_rows(const at::Tensor& x, const RowsPlan& plan) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const auto fp8 = x.options().dtype(at::kFloat8_e4m3fn), fp32 = x.options().dtype(at::kFloat);
+  at::Tensor row_q = at::empty({M, K}, fp8), row_s = at::empty({M, (K + 127) / 128}, fp32);
+  const Outputs out{row_q, row_s, at::empty({0}, fp8), at::empty({0}, fp32)};
+  if (row_q.numel() == 0) return out;
+  const int device = x.device().index();
+  ensure_context(device);
+  const void* x_p = x.data_ptr();
+  void *q_p = row_q.data_ptr(), *s_p = row_s.data_ptr();
+  int64_t x_stride = x.stride(0), m = M, q_stride = row_q.stride(0), s_0 = row_s.stride(0), s_1 = row_s.stride(1);
+  int32_t k = static_cast<int32_t>(K);
+  void* args[] = {&x_p, &x_stride, &m, &k, &q_p, &q_stride, &s_p, &s_0, &s_1};
+  launch(device, plan.function, grid_for(M * ((K + 127) / 128) * 32, plan.sms), 256, 0, args);  // a warp a block
+  return out;
+}
+
+// The plan of 2-D x at its shape, or none where the CUDA kernel does not take it.
+std::optional<ColumnsPlan> plan_for(const at::Tensor& x, const at::Tensor& offs, bool rowwise) {
+  static PlanCache<ColumnsPlan> plans;
+  const ShapeKey key{{x.size(0), x.size(1), offs.size(0), x.stride(0), x.stride(1), static_cast<int64_t>(x.scalar_type()),
+                      rowwise, x.device().index(), 0, 0, 0, 0, 0}};
+  return plans.get(key, [&] { return columns_plan()(x, offs, rowwise); });
+}
+
+Outputs grouped_quantize_cuda(const at::Tensor& x, const std::optional<at::Tensor>& offs, const std::string& recipe,
+                              bool rowwise, bool columnwise) {
+  check_grouped_quantize(x, offs, recipe, rowwise, columnwise);
+  c10::DeviceGuard guard(x.device());
+  const bool blockwise_2d = x.dim() == 2 && recipe == kRecipes[1] && x.scalar_type() != at::kDouble;
+  if (blockwise_2d && !columnwise && x.stride(1) == 1) {
+    static PlanCache<RowsPlan> rows_plans;
+    const ShapeKey key{{static_cast<int64_t>(x.scalar_type()), x.device().index(), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}};
+    if (std::optional<RowsPlan> rows = rows_plans.get(key, [&] { return rows_plan()(x); })) return quantize_rows(x, *rows);
+  }
+  std::optional<ColumnsPlan> plan;
+  if (blockwise_2d && columnwise && reinterpret_cast<uint64_t>(x.data_ptr()) % 16 == 0)
+    plan = plan_for(x, *offs, rowwise);
+  if (!plan) {
+    pybind11::gil_scoped_acquire gil;
+    return quantize_python_kernel()(x, offs, recipe, rowwise, columnwise).cast<Outputs>();
+  }
+  // ops/fp8.py's _quantize_outputs: e4m3 data, fp32 scales; columnwise data (K, M) with rows
+  // padded to 16 bytes (TMA), columnwise scales (K, slots) with K contiguous; an output not
+  // asked for is empty.
+  const int64_t M = x.size(0), K = x.size(1), G = offs->size(0);
+  const auto fp8 = x.options().dtype(at::kFloat8_e4m3fn), fp32 = x.options().dtype(at::kFloat);
+  at::Tensor col_q = at::empty_strided({K, M}, {(M + 15) / 16 * 16, 1}, fp8);
+  at::Tensor col_s = at::empty({plan->slots, K}, fp32).t();
+  at::Tensor row_q = rowwise ? at::empty({M, K}, fp8) : at::empty({0}, fp8);
+  at::Tensor row_s = rowwise ? at::empty({M, (K + 127) / 128}, fp32) : at::empty({0}, fp32);
+  if (K == 0) return {row_q, row_s, col_q, col_s};
+  const int device = x.device().index();
+  ensure_context(device);
+  const at::Tensor offs_c = offs->contiguous();
+  const at::Tensor& rq = rowwise ? row_q : col_q;  // unused pointers when not rowwise
+  const at::Tensor& rs = rowwise ? row_s : col_s;
+  const void *x_p = x.data_ptr(), *offs_p = offs_c.data_ptr();
+  void *col_q_p = col_q.data_ptr(), *col_s_p = col_s.data_ptr(), *rq_p = rq.data_ptr(), *rs_p = rs.data_ptr();
+  int64_t x_stride = x.stride(0), col_q_stride = col_q.stride(0), col_s_0 = col_s.stride(0), col_s_1 = col_s.stride(1),
+          rq_stride = rq.stride(0), rs_0 = rs.stride(0), rs_1 = rs.stride(1);
+  int32_t m = static_cast<int32_t>(M), k = static_cast<int32_t>(K), g = static_cast<int32_t>(G),
+          s = static_cast<int32_t>(plan->slots), group_m = plan->group_m, stages = plan->num_stages;
+  void* args[] = {&x_p,    &x_stride,     &offs_p,  &m,       &k,       &g,    &s,     &group_m, &stages, &col_q_p,
+                  &col_q_stride, &col_s_p, &col_s_0, &col_s_1, &rq_p, &rq_stride, &rs_p, &rs_0,    &rs_1};
+  launch(device, plan->function, plan->grid, plan->threads, plan->shared_bytes, args);
+  return {row_q, row_s, col_q, col_s};
+}
+
+// ------------------------------------------------------------------------------ scaled_grouped_mm
+
+// kernels/scaled_grouped_mm_sm90.py's ForwardPlan, read once per shape.
+struct Fp8Plan {
+  CUfunction function;
+  unsigned grid, shared_bytes;
+  int num_stages;
+};
+
+pybind11::object& scaled_mm_plan() {  // kernels/scaled_grouped_mm_sm90.py's host_plan
+  static pybind11::object* fn = new pybind11::object();
+  return *fn;
+}
+pybind11::object& scaled_mm_python_kernel() {  // the op's Python kernel
+  static pybind11::object* fn = new pybind11::object();
+  return *fn;
+}
+
+bool fp8_triton_forced() {  // COMPILED_MOE_FP8_GEMM=triton turns the CUDA kernel off
+  const char* gemm = std::getenv("COMPILED_MOE_FP8_GEMM");
+  return gemm != nullptr && std::string(gemm) == "triton";
+}
+
+// kernels/scaled_grouped_mm_sm90.py's scale_offsets_fit: the largest scale offset below 2^30.
+bool scale_offsets_fit(const at::Tensor& a_scale, const at::Tensor& b_scale) {
+  for (const at::Tensor* t : {&a_scale, &b_scale}) {
+    int64_t last = 0;
+    for (int64_t d = 0; d < t->dim(); ++d) last += (t->size(d) - 1) * t->stride(d);
+    if (last >= (int64_t(1) << 30)) return false;
+  }
+  return true;
+}
+
+Fp8Plan read_fp8_plan(const pybind11::handle& p) {
+  auto t = p.cast<pybind11::tuple>();
+  auto i = [&t](int k) { return t[k].cast<int64_t>(); };
+  return {reinterpret_cast<CUfunction>(i(0)), static_cast<unsigned>(i(1)), static_cast<unsigned>(i(2)),
+          static_cast<int>(i(3))};
+}
+
+}  // namespace
+
+template <>
+Fp8Plan PlanCache<Fp8Plan>::read(const pybind11::handle& p) { return read_fp8_plan(p); }
+
+// out (M, N) = a (M, K) @ b (G, K, N) (+ bias (G, N)) from e4m3 K-major operands and their
+// fp8_blockwise scales: the maps and launch of kernels/scaled_grouped_mm_sm90.py's
+// scaled_grouped_mm. The caller checked that the kernel applies (the plan's conditions, M, N,
+// K > 0, aligned addresses).
+void launch_fp8_blockwise_sm90(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale,
+                               const at::Tensor& b_scale, const at::Tensor& offs,
+                               const std::optional<at::Tensor>& bias, const at::Tensor& out, const Fp8Plan& plan) {
+  const int64_t M = a.size(0), K = a.size(1), G = b.size(0), N = b.size(2);
+  const int device = a.device().index();
+  ensure_context(device);
+  const uint64_t a_ptr = reinterpret_cast<uint64_t>(a.data_ptr());
+  // Boxes of 64 rows (a tile's two halves), and of 16 rows where a group has a few rows left.
+  CUtensorMap a_map = map2d(a_ptr, K, M, a.stride(0), 128, 64);
+  CUtensorMap a_rows_map = map2d(a_ptr, K, M, a.stride(0), 128, 16);
+  CUtensorMap b_map = tensor_map({reinterpret_cast<uint64_t>(b.data_ptr()), {uint64_t(K), uint64_t(N), uint64_t(G)},
+                                  {uint64_t(b.stride(2)), uint64_t(b.stride(0))}, {128, 128, 1}, 3,
+                                  CU_TENSOR_MAP_DATA_TYPE_UINT8});
+  const int64_t es = out.element_size();
+  CUtensorMap out_map = tensor_map({reinterpret_cast<uint64_t>(out.data_ptr()), {uint64_t(N), uint64_t(M), 1},
+                                    {uint64_t(out.stride(0) * es), uint64_t(out.stride(0) * es * M)},
+                                    {uint32_t(128 / es), 64, 1}, 3, out_map_type(out.scalar_type())});
+  const at::Tensor offs_c = offs.contiguous(), bias_t = bias_in_pairs(bias);
+  void *a_scale_p = a_scale.data_ptr(), *b_scale_p = b_scale.data_ptr(), *out_p = out.data_ptr(),
+       *bias_p = bias_t.defined() ? bias_t.data_ptr() : nullptr, *offs_p = offs_c.data_ptr();
+  int64_t a_scale_0 = a_scale.stride(0), b_scale_0 = b_scale.stride(0), out_stride = out.stride(0),
+          bias_stride = bias_t.defined() ? bias_t.stride(0) : 0;
+  int32_t a_scale_1 = static_cast<int32_t>(a_scale.stride(1)), b_scale_1 = static_cast<int32_t>(b_scale.stride(1)),
+          b_scale_2 = static_cast<int32_t>(b_scale.stride(2)), kind = out_kind(out.scalar_type()),
+          bias_kind = bias_t.defined() ? out_kind(bias_t.scalar_type()) : -1, m = static_cast<int32_t>(M),
+          n = static_cast<int32_t>(N), k = static_cast<int32_t>(K), g = static_cast<int32_t>(G),
+          stages = plan.num_stages;
+  void* args[] = {&a_map,     &a_rows_map, &b_map, &out_map, &a_scale_p, &a_scale_0, &a_scale_1, &b_scale_p,
+                  &b_scale_0, &b_scale_1,  &b_scale_2, &out_p, &kind,   &out_stride, &bias_p,   &bias_kind,
+                  &bias_stride, &offs_p,   &m,     &n,       &k,         &g,         &stages};
+  launch(device, plan.function, plan.grid, kHopperThreads, plan.shared_bytes, args);
+}
+
+namespace {
+
+at::Tensor scaled_grouped_mm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale,
+                                  const at::Tensor& b_scale, const at::Tensor& offs, const std::string& recipe,
+                                  std::optional<c10::ScalarType> out_dtype, const std::optional<at::Tensor>& bias) {
+  check_scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype, bias);
+  c10::DeviceGuard guard(a.device());
+  const c10::ScalarType out_type = out_dtype.value_or(at::kBFloat16);
+  std::optional<Fp8Plan> plan;
+  if (recipe == kRecipes[1]) {
+    static PlanCache<Fp8Plan> plans;
+    const ShapeKey key{{a.size(0), b.size(2), a.size(1), b.size(0), a.stride(0), b.stride(0), b.stride(2),
+                        static_cast<int64_t>(out_type),
+                        bias ? static_cast<int64_t>(bias->scalar_type()) * 2 + (bias->stride(1) == 1) : -1,
+                        a.device().index(), scale_offsets_fit(a_scale, b_scale), fp8_triton_forced(), 0}};
+    plan = plans.get(key, [&] { return scaled_mm_plan()(a, b, a_scale, b_scale, bias, out_type); });
+  }
+  if (!plan || !tma_aligned({&a, &b})) {
+    pybind11::gil_scoped_acquire gil;
+    return scaled_mm_python_kernel()(a, b, a_scale, b_scale, offs, recipe, out_dtype, bias).cast<at::Tensor>();
+  }
+  at::Tensor out = at::empty({a.size(0), b.size(2)}, a.options().dtype(out_type));
+  launch_fp8_blockwise_sm90(a, b, a_scale, b_scale, offs, bias, out, *plan);
+  return out;
+}
+
+torch::Library& library() {
+  static auto* lib = new torch::Library(torch::Library::IMPL, "compiled_moe", std::nullopt, __FILE__, __LINE__);
+  return *lib;
+}
+
+}  // namespace
+#endif  // COMPILED_MOE_CUDA
+
+// compiled_moe::grouped_quantize's CUDA kernel: plan(x, offs, rowwise) gives the columnwise
+// kernel's plan for 2-D fp8_blockwise x, or None; rows(x) the rowwise kernel's of x's dtype and
+// device, or None; python_kernel(x, offs, recipe, rowwise, columnwise) serves the rest. Returns
+// the dispatch keys registered.
+std::vector<std::string> register_grouped_quantize(pybind11::object plan, pybind11::object rows,
+                                                   pybind11::object python_kernel_fn) {
+#ifdef COMPILED_MOE_CUDA
+  columns_plan() = std::move(plan);
+  rows_plan() = std::move(rows);
+  quantize_python_kernel() = std::move(python_kernel_fn);
+  library().impl("grouped_quantize", torch::dispatch(c10::DispatchKey::CUDA, TORCH_FN(grouped_quantize_cuda)));
+  return {"CUDA"};
+#else
+  return {};
+#endif
+}
+
+// compiled_moe::scaled_grouped_mm's CUDA kernel: plan(a, b, a_scale, b_scale, bias, out_dtype)
+// gives the Hopper kernel's plan for fp8_blockwise operands, or None; python_kernel(a, b,
+// a_scale, b_scale, offs, recipe, out_dtype, bias) serves the rest. Returns the dispatch keys
+// registered.
+std::vector<std::string> register_scaled_grouped_mm(pybind11::object plan, pybind11::object python_kernel_fn) {
+#ifdef COMPILED_MOE_CUDA
+  scaled_mm_plan() = std::move(plan);
+  scaled_mm_python_kernel() = std::move(python_kernel_fn);
+  library().impl("scaled_grouped_mm", torch::dispatch(c10::DispatchKey::CUDA, TORCH_FN(scaled_grouped_mm_cuda)));
+  return {"CUDA"};
+#else
+  return {};
+#endif
+}
+
+void bind_fp8(pybind11::module_& m) {
+  m.def("register_grouped_quantize", &register_grouped_quantize);
+  m.def("register_scaled_grouped_mm", &register_scaled_grouped_mm);
+  // The checks alone (the CUDA kernels make them), for tests on any machine.
+  m.def("check_grouped_quantize", &check_grouped_quantize);
+  m.def("check_scaled_grouped_mm", &check_scaled_grouped_mm);
+#ifdef COMPILED_MOE_CUDA
+  // kernels/scaled_grouped_mm_sm90.py's launcher launches through it (plan: its ForwardPlan).
+  m.def("launch_fp8_blockwise_sm90",
+        [](const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale, const at::Tensor& b_scale,
+           const at::Tensor& offs, const std::optional<at::Tensor>& bias, const at::Tensor& out,
+           pybind11::handle plan) {
+          launch_fp8_blockwise_sm90(a, b, a_scale, b_scale, offs, bias, out, read_fp8_plan(plan));
+        });
+#endif
+}
+
+}  // namespace compiled_moe
