@@ -1,8 +1,8 @@
 // The C++ host layer's GEMM and routing ops, and its extension module: what an eager call of
 // torch.ops.compiled_moe.grouped_mm, grouped_mm_wgrad, grouped_mm_wgrad_accumulate_ and
-// moe_route runs, and the experts block's forward in one call, from the dispatcher to the
-// driver without Python (argument checks, autograd, the device guard, tensor maps, the launch
-// on torch's current stream). The row ops are in rows.cpp, the FP8 ops in fp8.cpp.
+// moe_route runs, from the dispatcher to the driver without Python (argument checks, autograd,
+// the device guard, tensor maps, the launch on torch's current stream), and the experts block
+// as one call forward and one backward. The row ops are in rows.cpp, the FP8 ops in fp8.cpp.
 //
 // Python keeps what a compiled graph needs (schemas, fake functions, the traced bodies that
 // inductor inlines, the CPU reference) and what is chosen once per problem shape: whether the
