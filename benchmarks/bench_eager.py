@@ -82,8 +82,8 @@ def op_rows(device="cuda", calls=300, rounds=9):
         "moe_unpermute": lambda: ops.moe_unpermute(y, row_of, source, weights),
         "moe_activation": lambda: ops.moe_activation(h, "swiglu", "stacked", 1.702, 7.0),
         "moe_activation_backward": lambda: ops.moe_activation_backward(dh, h, "swiglu", "stacked", 1.702, 7.0),
-        # rowwise only: an FP8 forward's input (the Python kernel); both ways: a training step's
-        # (the C++ kernel of csrc/host/fp8.cpp on sm_90)
+        # rowwise only: an FP8 forward's input; both ways: a training step's (each the C++ kernel
+        # of csrc/host/quantize.cpp on sm_90)
         "grouped_quantize rowwise": lambda: ops.grouped_quantize(x, offs, "fp8_blockwise", True, False),
         "grouped_quantize both ways": lambda: ops.grouped_quantize(x, offs, "fp8_blockwise", True, True),
         "fp8_grouped_mm (weight cached)": lambda: cm.fp8_grouped_mm(x, w.mT, offs, weight_fp8=w_fp8),
