@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from compiled_moe.ops._dispatch import call_op, check_tensor, is_transposed_weight
+from compiled_moe.ops._dispatch import (call_op, check_tensor, host_layer, is_real_tensor,
+                                        is_transposed_weight)
 from compiled_moe.ops.activations import activation_constants
 from compiled_moe.reference import (
     FP8_DTYPE,
@@ -40,6 +41,21 @@ def quantize_weight(w: Tensor, recipe: str = "fp8_blockwise") -> tuple[Tensor, .
     check_recipe(recipe)
     check_tensor("w", w, 3)
     return _quantize(w.detach(), None, recipe, True, True)
+
+
+def _host_autograd(a, b, offs, bias, weight_fp8):
+    """The C++ host layer where an eager call takes its autograd function: real tensors (and
+    weight_fp8 None or 4 of them; the Python checks name what else was passed), not traced
+    (torch.compile traces the Python function, whose ops it sees), no dispatch mode."""
+    tensors = (a, b, offs) + (() if bias is None else (bias,))
+    if weight_fp8 is not None:
+        if not isinstance(weight_fp8, (tuple, list)) or len(weight_fp8) != 4:
+            return None
+        tensors += tuple(weight_fp8)
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() != 0
+            or not all(isinstance(t, Tensor) and is_real_tensor(t) for t in tensors)):
+        return None
+    return host_layer()
 
 
 def _check_weight_fp8(weight_fp8, b: Tensor, recipe: str) -> None:
@@ -205,6 +221,9 @@ def fp8_grouped_mm(a: Tensor, b: Tensor, offs: Tensor, *, recipe: str = "fp8_blo
         (M, N) in a's dtype; rows past offs[-1] are zero (no bias is added there).
         Differentiable in a, b and bias.
     """
+    host = _host_autograd(a, b, offs, bias, weight_fp8)
+    if host is not None:  # the autograd function in C++ (csrc/host/fp8.cpp), with these checks
+        return host.fp8_grouped_mm(a, b, offs, bias, recipe, [] if weight_fp8 is None else list(weight_fp8))
     weight_fp8 = _check_operands("a", a, b, recipe, weight_fp8)
     return _FP8GroupedMM.apply(a, b, offs, bias, recipe, weight_fp8)
 

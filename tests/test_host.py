@@ -254,6 +254,62 @@ def test_scaled_mm_errors_are_the_python_checks(case):
             host.module().check_scaled_grouped_mm(*_scaled_mm_operands(recipe), recipe, out_dtype, bias)
 
 
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_rowwise", "mxfp8"])
+def test_fp8_grouped_mm_formula_matches_python(recipe):
+    """fp8_grouped_mm's C++ autograd function (csrc/host/fp8.cpp) and the Python one
+    (compiled_moe/fp8.py's _FP8GroupedMM) give the same output and gradients to the bit: with
+    and without a bias and the weight quantized beforehand, for a transposed and a contiguous
+    weight, and with only some inputs needing gradients."""
+    from compiled_moe import fp8
+
+    gen = torch.Generator().manual_seed(5)
+    M, K, N, G = 96, 256, 128, 3
+    offs = random_offsets(M, G, generator=gen, empty_groups=1, tail=3)
+    grad = torch.randn(M, N, generator=gen)
+    for with_bias, cached, transposed, need in ((False, False, True, (1, 1, 0)), (True, True, True, (1, 1, 1)),
+                                                (True, False, False, (0, 1, 1)), (False, True, True, (1, 0, 0))):
+        a = torch.randn(M, K, generator=gen).requires_grad_(bool(need[0]))
+        w = (torch.randn(G, N, K, generator=gen) / K ** 0.5).requires_grad_(bool(need[1]))
+        b = w.mT if transposed else w.mT.contiguous().detach().requires_grad_(bool(need[1]))
+        bias = torch.randn(G, N, generator=gen).requires_grad_(bool(need[2])) if with_bias else None
+        weight_fp8 = cm.quantize_weight(b.mT, recipe) if cached else None
+        leaves = [t for t in (a, b if not transposed else w, bias) if t is not None and t.requires_grad]
+        got = host.module().fp8_grouped_mm(a, b, offs, bias, recipe, list(weight_fp8 or ()))
+        assert "Fp8GroupedMmFunction" in got.grad_fn.name()
+        want = fp8._FP8GroupedMM.apply(a, b, offs, bias, recipe, weight_fp8)
+        assert torch.equal(got, want)
+        for x, y in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, leaves, grad)):
+            assert torch.equal(x, y) and x.stride() == y.stride()
+    with torch.no_grad():
+        assert host.module().fp8_grouped_mm(a, b, offs, None, recipe, []).grad_fn is None
+
+
+def _bad_fp8_grouped_mm_calls():
+    w = torch.randn(3, 128, 256)
+    a, offs = torch.randn(10, 256), torch.tensor([3, 3, 10], dtype=torch.int32)
+    good = list(cm.quantize_weight(w, "fp8_blockwise"))
+    return {
+        "recipe": (a, w.mT, offs, None, "fp16", []),
+        "a 3-D": (a[None], w.mT, offs, None, "fp8_blockwise", []),
+        "b int": (a, w.mT.int(), offs, None, "fp8_blockwise", []),
+        "weight data shape": (a, w.mT, offs, None, "fp8_blockwise", [good[2]] + good[1:]),
+        "weight scale dtype": (a, w.mT, offs, None, "fp8_blockwise", good[:3] + [good[3].double()]),
+        "weight of another recipe": (a, w.mT, offs, None, "mxfp8", good),
+        "weight elsewhere": (a, w.mT, offs, None, "fp8_blockwise", good[:1] + [good[1].to("meta")] + good[2:]),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_fp8_grouped_mm_calls()))
+def test_fp8_grouped_mm_errors_are_the_python_checks(case):
+    """fp8_grouped_mm's C++ checks: the Python wrapper's exception types and messages, word for
+    word (the wrapper itself checks that weight_fp8 is a tuple of 4 tensors)."""
+    a, b, offs, bias, recipe, weight_fp8 = _bad_fp8_grouped_mm_calls()[case]
+    from compiled_moe import fp8
+
+    assert_same_error(lambda *args: fp8._check_operands("a", a, b, recipe, tuple(weight_fp8) or None),
+                      lambda *args: host.module().fp8_grouped_mm(*args), a, b, offs, bias, recipe, weight_fp8)
+
+
 _BAD_ROUTES = {
     "ids 1-D": (torch.zeros(8, dtype=torch.int32), 4, 1),
     "ids float": (torch.zeros(2, 4), 4, 1),

@@ -11,6 +11,7 @@
 // not take) goes to the op's Python kernel.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
+#include <torch/autograd.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -19,6 +20,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "bindings.h"
 #include "checks.h"
@@ -32,6 +34,9 @@
 #endif
 
 namespace compiled_moe {
+
+// grouped_quantize's outputs: rowwise data and scales, columnwise data and scales.
+using Quantized = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // ------------------------------------------------------------------------------ checks
 
@@ -153,8 +158,6 @@ pybind11::object& quantize_python_kernel() {  // the op's Python kernel
   return *fn;
 }
 
-using Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-
 }  // namespace
 
 template <>
@@ -174,11 +177,11 @@ RowsPlan PlanCache<RowsPlan>::read(const pybind11::handle& p) {
 namespace {
 
 // row_q (M, K) e4m3 and row_s (M, ceil(K / 128)) fp32 of 2-D x with unit column stride.
-Outputs quantize_rows(const at::Tensor& x, const RowsPlan& plan) {
+Quantized quantize_rows(const at::Tensor& x, const RowsPlan& plan) {
   const int64_t M = x.size(0), K = x.size(1);
   const auto fp8 = x.options().dtype(at::kFloat8_e4m3fn), fp32 = x.options().dtype(at::kFloat);
   at::Tensor row_q = at::empty({M, K}, fp8), row_s = at::empty({M, (K + 127) / 128}, fp32);
-  const Outputs out{row_q, row_s, at::empty({0}, fp8), at::empty({0}, fp32)};
+  const Quantized out{row_q, row_s, at::empty({0}, fp8), at::empty({0}, fp32)};
   if (row_q.numel() == 0) return out;
   const int device = x.device().index();
   ensure_context(device);
@@ -199,7 +202,7 @@ std::optional<ColumnsPlan> plan_for(const at::Tensor& x, const at::Tensor& offs,
   return plans.get(key, [&] { return columns_plan()(x, offs, rowwise); });
 }
 
-Outputs grouped_quantize_cuda(const at::Tensor& x, const std::optional<at::Tensor>& offs, const std::string& recipe,
+Quantized grouped_quantize_cuda(const at::Tensor& x, const std::optional<at::Tensor>& offs, const std::string& recipe,
                               bool rowwise, bool columnwise) {
   check_grouped_quantize(x, offs, recipe, rowwise, columnwise);
   c10::DeviceGuard guard(x.device());
@@ -214,7 +217,7 @@ Outputs grouped_quantize_cuda(const at::Tensor& x, const std::optional<at::Tenso
     plan = plan_for(x, *offs, rowwise);
   if (!plan) {
     pybind11::gil_scoped_acquire gil;
-    return quantize_python_kernel()(x, offs, recipe, rowwise, columnwise).cast<Outputs>();
+    return quantize_python_kernel()(x, offs, recipe, rowwise, columnwise).cast<Quantized>();
   }
   // ops/fp8.py's _quantize_outputs: e4m3 data, fp32 scales; columnwise data (K, M) with rows
   // padded to 16 bytes (TMA), columnwise scales (K, slots) with K contiguous; an output not
@@ -359,6 +362,151 @@ torch::Library& library() {
 }  // namespace
 #endif  // COMPILED_MOE_CUDA
 
+// ------------------------------------------------------------------------------ fp8_grouped_mm
+// compiled_moe.fp8_grouped_mm's autograd function (compiled_moe/fp8.py's _FP8GroupedMM), as a
+// C++ autograd function composed of the FP8 ops through the dispatcher below autograd: on CUDA
+// each is this layer's kernel, so neither forward nor backward enters Python; elsewhere the
+// ops' own kernels serve (the CPU tier compares it with the Python function to the bit).
+
+namespace {
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> package_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x,
+                                                                    const std::optional<at::Tensor>& offs,
+                                                                    const std::string& recipe, bool rowwise,
+                                                                    bool columnwise) {
+  static auto op = package_op<Quantized(const at::Tensor&, const std::optional<at::Tensor>&, const std::string&, bool,
+                                       bool)>("compiled_moe::grouped_quantize");
+  return op.call(x, offs, recipe, rowwise, columnwise);
+}
+
+at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale, const at::Tensor& b_scale,
+                     const at::Tensor& offs, const std::string& recipe, c10::ScalarType out_dtype,
+                     const std::optional<at::Tensor>& bias) {
+  static auto op = package_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, const std::string&, std::optional<c10::ScalarType>,
+                                         const std::optional<at::Tensor>&)>("compiled_moe::scaled_grouped_mm");
+  return op.call(a, b, a_scale, b_scale, offs, recipe, out_dtype, bias);
+}
+
+at::Tensor scaled_mm_wgrad(const at::Tensor& a_t, const at::Tensor& d_t, const at::Tensor& a_scale,
+                           const at::Tensor& d_scale, const at::Tensor& offs, const std::string& recipe,
+                           c10::ScalarType out_dtype) {
+  static auto op = package_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, const std::string&, std::optional<c10::ScalarType>)>(
+      "compiled_moe::scaled_grouped_mm_wgrad");
+  return op.call(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype);
+}
+
+at::Tensor grouped_sum(const at::Tensor& x, const at::Tensor& offs, c10::ScalarType out_dtype) {
+  static auto op = package_op<at::Tensor(const at::Tensor&, const at::Tensor&, std::optional<c10::ScalarType>)>(
+      "compiled_moe::grouped_sum");
+  return op.call(x, offs, out_dtype);
+}
+
+bool is_transposed_weight(const at::Tensor& b) { return b.stride(1) == 1 && b.stride(2) != 1; }
+
+// Inputs: a, b, offs, then the bias as a list of zero or one tensors (autograd takes no
+// undefined tensor and gives an optional<Tensor> no gradient), the weight's quantization
+// (quantize_weight's four tensors, or none), and whether a and b need gradients (which
+// directions of a and of the weight forward must quantize).
+class Fp8GroupedMmFunction : public torch::autograd::Function<Fp8GroupedMmFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b,
+                            const at::Tensor& offs, at::TensorList bias, const std::string& recipe,
+                            at::TensorList weight_fp8, bool need_a, bool need_b) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [a_q, a_s, a_col, a_col_s] = quantize(a, offs, recipe, true, need_b);
+    // b (G, K, N) is usually the transposed view of a (G, N, K) weight: b.mT is that weight.
+    Quantized w = weight_fp8.empty()
+                     ? quantize(b.mT(), std::nullopt, recipe, true, need_a)
+                     : Quantized{weight_fp8[0], weight_fp8[1], weight_fp8[2], weight_fp8[3]};
+    std::optional<at::Tensor> maybe_bias = bias.empty() ? std::nullopt : std::optional<at::Tensor>(bias[0]);
+    at::Tensor out = scaled_mm(a_q, std::get<0>(w).mT(), a_s, std::get<1>(w), offs, recipe, a.scalar_type(), maybe_bias);
+    ctx->save_for_backward({a_col, a_col_s, std::get<2>(w), std::get<3>(w), offs});
+    ctx->saved_data["recipe"] = recipe;
+    ctx->saved_data["a_dtype"] = static_cast<int64_t>(a.scalar_type());
+    ctx->saved_data["b_dtype"] = static_cast<int64_t>(b.scalar_type());
+    ctx->saved_data["b_transposed"] = is_transposed_weight(b);
+    ctx->saved_data["bias_dtype"] = bias.empty() ? int64_t(-1) : static_cast<int64_t>(bias[0].scalar_type());
+    ctx->saved_data["weight_fp8"] = static_cast<int64_t>(weight_fp8.size());
+    return out;
+  }
+
+  // compiled_moe/fp8.py's _backward: dgrad from the weight's columnwise data, the weight
+  // gradient from the columnwise data of a and of the gradient, dbias from the unquantized one.
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &a_col = saved[0], &a_col_s = saved[1], &w_col = saved[2], &w_col_s = saved[3], &offs = saved[4];
+    const std::string recipe = ctx->saved_data["recipe"].toStringRef();
+    const auto a_dtype = static_cast<c10::ScalarType>(ctx->saved_data["a_dtype"].toInt());
+    const auto b_dtype = static_cast<c10::ScalarType>(ctx->saved_data["b_dtype"].toInt());
+    const int64_t bias_dtype = ctx->saved_data["bias_dtype"].toInt();
+    const bool need_a = ctx->needs_input_grad(0), need_b = ctx->needs_input_grad(1);
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
+    if (!at::GradMode::is_enabled()) below_autograd.emplace();
+    at::Tensor grad_a, grad_b, grad_bias;
+    if (need_a || need_b) {
+      auto [g_q, g_s, g_col, g_col_s] = quantize(grads[0].to(a_dtype), offs, recipe, need_a, need_b);
+      // dgrad: grad (M, N) @ W (N, K); w_col (G, K, N) is W's columnwise data.
+      if (need_a) grad_a = scaled_mm(g_q, w_col.mT(), g_s, w_col_s, offs, recipe, a_dtype, std::nullopt);
+      if (need_b && ctx->saved_data["b_transposed"].toBool()) {  // (G, N, K), the weight's own storage order
+        grad_b = scaled_mm_wgrad(g_col, a_col, g_col_s, a_col_s, offs, recipe, b_dtype).mT();
+      } else if (need_b) {
+        grad_b = scaled_mm_wgrad(a_col, g_col, a_col_s, g_col_s, offs, recipe, b_dtype);
+      }
+    }
+    torch::autograd::variable_list out = {grad_a, grad_b, at::Tensor()};  // a, b, offs
+    if (bias_dtype >= 0 && ctx->needs_input_grad(3))
+      grad_bias = grouped_sum(grads[0], offs, static_cast<c10::ScalarType>(bias_dtype));
+    if (bias_dtype >= 0) out.push_back(grad_bias);
+    out.resize(out.size() + 3 + ctx->saved_data["weight_fp8"].toInt());  // recipe, weight_fp8's tensors, the needs
+    return out;
+  }
+};
+
+}  // namespace
+
+// compiled_moe/fp8.py's _check_weight_fp8, past its check that weight_fp8 is a tuple of 4.
+void check_weight_fp8(at::TensorList weight_fp8, const at::Tensor& b, const std::string& recipe) {
+  const c10::SymInt &g = b.sym_size(0), &k = b.sym_size(1), &n = b.sym_size(2);  // b.mT is (G, N, K)
+  const int64_t rows = recipe == kRecipes[1] ? 128 : 1;
+  const int64_t columns = recipe == kRecipes[1] ? 128 : recipe == kRecipes[2] ? 32 : 0;
+  const std::array<std::vector<c10::SymInt>, 4> shapes = {
+      std::vector<c10::SymInt>{g, n, k}, std::vector<c10::SymInt>{g, (n + rows - 1) / rows, blocks(k, columns)},
+      std::vector<c10::SymInt>{g, k, n}, std::vector<c10::SymInt>{g, (k + rows - 1) / rows, blocks(n, columns)}};
+  for (size_t i = 0; i < 4; ++i) {
+    const at::Tensor& t = weight_fp8[i];
+    const c10::ScalarType dtype = i % 2 ? scale_dtype(recipe) : at::kFloat8_e4m3fn;
+    CM_CHECK_VALUE(t.sym_sizes() == c10::SymIntArrayRef(shapes[i]) && t.scalar_type() == dtype, "weight_fp8[", i,
+                   "] must be ", shape_str(shapes[i]), " ", dtype_name(dtype), ", as quantize_weight(b.mT, ",
+                   py_repr(recipe), ") gives, got (", shape_str(t.sym_sizes()), ", ", dtype_name(t.scalar_type()), ")");
+    CM_CHECK_VALUE(t.device() == b.device(), "weight_fp8[", i, "] is on ", t.device().str(), " but b is on ",
+                   b.device().str());
+  }
+}
+
+// compiled_moe.fp8_grouped_mm past its Python wrapper's check that weight_fp8 is a tuple of 4
+// tensors (given as a list of 4, or empty): the wrapper's checks, then the autograd function.
+at::Tensor fp8_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
+                          const std::optional<at::Tensor>& bias, const std::string& recipe,
+                          std::vector<at::Tensor> weight_fp8) {
+  check_recipe(recipe);
+  check_tensor("a", a, 2);
+  check_tensor("b", b, 3);
+  if (!weight_fp8.empty()) check_weight_fp8(weight_fp8, b, recipe);
+  std::vector<at::Tensor> bias_list;
+  if (bias) bias_list.push_back(*bias);
+  const bool grad = at::GradMode::is_enabled();
+  return Fp8GroupedMmFunction::apply(a, b, offs, at::TensorList(bias_list), recipe, at::TensorList(weight_fp8),
+                                     grad && a.requires_grad(), grad && b.requires_grad());
+}
+
 // compiled_moe::grouped_quantize's CUDA kernel: plan(x, offs, rowwise) gives the columnwise
 // kernel's plan for 2-D fp8_blockwise x, or None; rows(x) the rowwise kernel's of x's dtype and
 // device, or None; python_kernel(x, offs, recipe, rowwise, columnwise) serves the rest. Returns
@@ -397,6 +545,8 @@ void bind_fp8(pybind11::module_& m) {
   // The checks alone (the CUDA kernels make them), for tests on any machine.
   m.def("check_grouped_quantize", &check_grouped_quantize);
   m.def("check_scaled_grouped_mm", &check_scaled_grouped_mm);
+  m.def("check_weight_fp8", &check_weight_fp8);
+  m.def("fp8_grouped_mm", &fp8_grouped_mm);
 #ifdef COMPILED_MOE_CUDA
   // kernels/scaled_grouped_mm_sm90.py's launcher launches through it (plan: its ForwardPlan).
   m.def("launch_fp8_blockwise_sm90",
