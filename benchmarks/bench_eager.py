@@ -68,6 +68,7 @@ def op_rows(device="cuda", calls=300, rounds=9):
     h, dh = torch.randn(256, 256, **bf), torch.randn(256, 128, **bf)
     main_grad = torch.zeros(8, 128, 256, device=device)
     w_fp8 = cm.quantize_weight(w)
+    x_fp8 = torch.ops.compiled_moe.grouped_quantize(x, offs, "fp8_blockwise", True, False)
     ops = torch.ops.compiled_moe
     fns = {
         "torch._grouped_mm": lambda: torch._grouped_mm(x, w.mT, offs),
@@ -86,7 +87,11 @@ def op_rows(device="cuda", calls=300, rounds=9):
         # of csrc/host/fp8.cpp on sm_90)
         "grouped_quantize rowwise": lambda: ops.grouped_quantize(x, offs, "fp8_blockwise", True, False),
         "grouped_quantize both ways": lambda: ops.grouped_quantize(x, offs, "fp8_blockwise", True, True),
+        "scaled_grouped_mm": lambda: ops.scaled_grouped_mm(x_fp8[0], w_fp8[0].mT, x_fp8[1], w_fp8[1], offs,
+                                                           "fp8_blockwise", None, None),
         "fp8_grouped_mm (weight cached)": lambda: cm.fp8_grouped_mm(x, w.mT, offs, weight_fp8=w_fp8),
+        "fp8_grouped_mm fwd+bwd (weight cached)": lambda: cm.fp8_grouped_mm(
+            xg, wg.mT, offs, weight_fp8=w_fp8).backward(dy),
     }
     us = interleaved_medians(fns, lambda fn: host_us(fn, calls), rounds)
     base = us["torch._grouped_mm"]

@@ -20,6 +20,7 @@ def test_eager_op_table_calls_every_op():
     names = [r["op"] for r in rows]
     for op in ("grouped_mm", "grouped_mm_wgrad", "grouped_mm_wgrad_accumulate_", "grouped_sum", "moe_route",
                "moe_permute", "moe_unpermute", "moe_activation", "moe_activation_backward",
-               "grouped_quantize rowwise", "grouped_quantize both ways", "fp8_grouped_mm (weight cached)"):
+               "grouped_quantize rowwise", "grouped_quantize both ways", "scaled_grouped_mm",
+               "fp8_grouped_mm (weight cached)", "fp8_grouped_mm fwd+bwd (weight cached)"):
         assert op in names
     assert all(r["host_us"] > 0 for r in rows)
