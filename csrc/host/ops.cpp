@@ -203,9 +203,10 @@ at::Tensor grouped_mm_autograd(const at::Tensor& a, const at::Tensor& b, const a
 }
 
 // compiled_moe::grouped_mm_wgrad_accumulate_'s autograd kernel, in place of its custom_op's
-// Python autograd and in-place layers (about 9 us of a call's host time), doing what they do for
-// this op: it returns nothing, so nothing is recorded; main_grad's version is bumped (as for
-// any in-place write) and the call goes on below both layers to the device's kernel.
+// Python autograd and in-place layers (21 us of a call's host time on the H200's host: 45.4
+// against 24.4 us), doing what they do for this op: it returns nothing, so nothing is recorded;
+// main_grad's version is bumped (as for any in-place write) and the call goes on below both
+// layers to the device's kernel.
 void grouped_mm_wgrad_accumulate_autograd(const at::Tensor& main_grad, const at::Tensor& a,
                                           const at::Tensor& grad_out, const at::Tensor& offs,
                                           const std::optional<at::Tensor>& accumulate_mask) {
