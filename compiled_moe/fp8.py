@@ -43,11 +43,11 @@ def quantize_weight(w: Tensor, recipe: str = "fp8_blockwise") -> tuple[Tensor, .
     return _quantize(w.detach(), None, recipe, True, True)
 
 
-def _host_autograd(a, b, offs, bias, weight_fp8):
+def _host_autograd(a, b, offs, bias, weight_fp8, probs=None):
     """The C++ host layer where an eager call takes its autograd function: real tensors (and
     weight_fp8 None or 4 of them; the Python checks name what else was passed), not traced
     (torch.compile traces the Python function, whose ops it sees), no dispatch mode."""
-    tensors = (a, b, offs) + (() if bias is None else (bias,))
+    tensors = (a, b, offs) + tuple(t for t in (bias, probs) if t is not None)
     if weight_fp8 is not None:
         if not isinstance(weight_fp8, (tuple, list)) or len(weight_fp8) != 4:
             return None
@@ -186,10 +186,15 @@ def fp8_activation_grouped_mm(h: Tensor, b: Tensor, offs: Tensor, *, activation:
     with the activation's FP8 data and scales made in one pass over h (FC2 of an FP8 expert MLP:
     a in h's dtype is neither written nor kept). Differentiable in h, b, probs and bias; the
     arguments as for fp8_grouped_mm and moe_mlp."""
+    constants = activation_constants(activation, alpha, limit)
+    host = _host_autograd(h, b, offs, bias, weight_fp8, probs)
+    if host is not None:  # the autograd function in C++ (csrc/host/fp8.cpp), with these checks
+        return host.fp8_activation_grouped_mm(
+            h, b, offs, probs, bias, recipe, [] if weight_fp8 is None else list(weight_fp8), activation,
+            gate_up_layout, constants.get("alpha", GPT_OSS_ALPHA), constants.get("limit", GPT_OSS_LIMIT))
     weight_fp8 = _check_operands("h", h, b, recipe, weight_fp8)
     return _FP8ActivationGroupedMM.apply(h, b, offs, probs, bias, recipe, weight_fp8, activation,
-                                         gate_up_layout,
-                                         activation_constants(activation, alpha, limit))
+                                         gate_up_layout, constants)
 
 
 def fp8_grouped_mm(a: Tensor, b: Tensor, offs: Tensor, *, recipe: str = "fp8_blockwise",

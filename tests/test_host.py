@@ -284,6 +284,43 @@ def test_fp8_grouped_mm_formula_matches_python(recipe):
         assert host.module().fp8_grouped_mm(a, b, offs, None, recipe, []).grad_fn is None
 
 
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_rowwise", "mxfp8"])
+def test_fp8_activation_grouped_mm_formula_matches_python(recipe):
+    """fp8_activation_grouped_mm's C++ autograd function (FC2 of the FP8 MLP) and the Python one
+    give the same output and gradients to the bit: gated and plain activations, with and
+    without probs, a bias and the weight quantized beforehand, gpt_oss with its own constants,
+    and with only some inputs needing gradients."""
+    from compiled_moe import fp8
+    from compiled_moe.ops.activations import activation_constants
+
+    gen = torch.Generator().manual_seed(6)
+    M, I, N, G = 80, 128, 256, 3
+    offs = random_offsets(M, G, generator=gen, empty_groups=1, tail=3)
+    grad = torch.randn(M, N, generator=gen)
+    cases = [("swiglu", "stacked", False, False, False, (1, 1, 0, 0)),
+             ("gpt_oss", "interleaved", True, True, False, (1, 1, 1, 1)),
+             ("relu2", "stacked", True, False, True, (0, 1, 1, 0)),
+             ("geglu", "interleaved", False, True, True, (1, 0, 0, 1))]
+    for activation, layout, with_probs, with_bias, cached, need in cases:
+        n1 = I if activation == "relu2" else 2 * I
+        h = torch.randn(M, n1, generator=gen).requires_grad_(bool(need[0]))
+        w = (torch.randn(G, N, I, generator=gen) / I ** 0.5).requires_grad_(bool(need[1]))
+        probs = torch.rand(M, generator=gen).requires_grad_(bool(need[2])) if with_probs else None
+        bias = torch.randn(G, N, generator=gen).requires_grad_(bool(need[3])) if with_bias else None
+        weight_fp8 = cm.quantize_weight(w, recipe) if cached else None
+        alpha, limit = (1.5, 6.0) if activation == "gpt_oss" else (1.702, 7.0)
+        constants = activation_constants(activation, alpha, limit)
+        leaves = [t for t in (h, w, probs, bias) if t is not None and t.requires_grad]
+        got = host.module().fp8_activation_grouped_mm(h, w.mT, offs, probs, bias, recipe, list(weight_fp8 or ()),
+                                                      activation, layout, alpha, limit)
+        assert "Fp8ActivationGroupedMmFunction" in got.grad_fn.name()
+        want = fp8._FP8ActivationGroupedMM.apply(h, w.mT, offs, probs, bias, recipe, weight_fp8, activation, layout,
+                                                 constants)
+        assert torch.equal(got, want), activation
+        for x, y in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, leaves, grad)):
+            assert torch.equal(x, y) and x.dtype == y.dtype, activation
+
+
 def _bad_fp8_grouped_mm_calls():
     w = torch.randn(3, 128, 256)
     a, offs = torch.randn(10, 256), torch.tensor([3, 3, 10], dtype=torch.int32)

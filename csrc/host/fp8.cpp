@@ -408,64 +408,176 @@ at::Tensor grouped_sum(const at::Tensor& x, const at::Tensor& offs, c10::ScalarT
   return op.call(x, offs, out_dtype);
 }
 
+Quantized activation_quantize(const at::Tensor& h, const at::Tensor& offs, const std::string& activation,
+                              const std::string& layout, const std::string& recipe,
+                              const std::optional<at::Tensor>& probs, bool columnwise, double alpha, double limit) {
+  static auto op = package_op<Quantized(const at::Tensor&, const at::Tensor&, const std::string&, const std::string&,
+                                        const std::string&, const std::optional<at::Tensor>&, bool, bool, double,
+                                        double)>("compiled_moe::moe_activation_quantize");
+  return op.call(h, offs, activation, layout, recipe, probs, true, columnwise, alpha, limit);
+}
+
+std::tuple<at::Tensor, at::Tensor> scaled_activation_backward(const at::Tensor& grad, const at::Tensor& h,
+                                                              const at::Tensor& probs, const std::string& activation,
+                                                              const std::string& layout, double alpha, double limit) {
+  static auto op = package_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                  const at::Tensor&, const std::string&,
+                                                                  const std::string&, double, double)>(
+      "compiled_moe::moe_scaled_activation_backward");
+  return op.call(grad, h, probs, activation, layout, alpha, limit);
+}
+
+at::Tensor activation_backward(const at::Tensor& grad, const at::Tensor& h, const std::string& activation,
+                               const std::string& layout, double alpha, double limit) {
+  static auto op = package_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::string&, const std::string&,
+                                         double, double)>("compiled_moe::moe_activation_backward");
+  return op.call(grad, h, activation, layout, alpha, limit);
+}
+
 bool is_transposed_weight(const at::Tensor& b) { return b.stride(1) == 1 && b.stride(2) != 1; }
 
-// Inputs: a, b, offs, then the bias as a list of zero or one tensors (autograd takes no
-// undefined tensor and gives an optional<Tensor> no gradient), the weight's quantization
-// (quantize_weight's four tensors, or none), and whether a and b need gradients (which
-// directions of a and of the weight forward must quantize).
+std::optional<at::Tensor> first(at::TensorList list) {  // an optional tensor passed as a list of 0 or 1
+  return list.empty() ? std::nullopt : std::optional<at::Tensor>(list[0]);
+}
+
+// The FP8 GEMM of both functions' forward: out = a @ b[g] (+ bias[g]) from a's quantization and
+// the weight's (weight_fp8, or made here: rowwise, and columnwise where dgrad needs it); saves
+// what _backward reads. ctx's saved tensors: a's and the weight's columnwise data and scales,
+// offs, then `extra`.
+at::Tensor fp8_forward(torch::autograd::AutogradContext* ctx, const Quantized& a_fp8, c10::ScalarType a_dtype,
+                       const at::Tensor& b, const at::Tensor& offs, const std::optional<at::Tensor>& bias,
+                       const std::string& recipe, at::TensorList weight_fp8, bool need_dgrad,
+                       std::vector<at::Tensor> extra) {
+  // b (G, K, N) is usually the transposed view of a (G, N, K) weight: b.mT is that weight.
+  const Quantized w = weight_fp8.empty() ? quantize(b.mT(), std::nullopt, recipe, true, need_dgrad)
+                                         : Quantized{weight_fp8[0], weight_fp8[1], weight_fp8[2], weight_fp8[3]};
+  at::Tensor out = scaled_mm(std::get<0>(a_fp8), std::get<0>(w).mT(), std::get<1>(a_fp8), std::get<1>(w), offs,
+                             recipe, a_dtype, bias);
+  std::vector<at::Tensor> saved = {std::get<2>(a_fp8), std::get<3>(a_fp8), std::get<2>(w), std::get<3>(w), offs};
+  saved.insert(saved.end(), extra.begin(), extra.end());
+  ctx->save_for_backward(saved);
+  ctx->saved_data["recipe"] = recipe;
+  ctx->saved_data["a_dtype"] = static_cast<int64_t>(a_dtype);
+  ctx->saved_data["b_dtype"] = static_cast<int64_t>(b.scalar_type());
+  ctx->saved_data["b_transposed"] = is_transposed_weight(b);
+  ctx->saved_data["bias_dtype"] = bias ? static_cast<int64_t>(bias->scalar_type()) : int64_t(-1);
+  return out;
+}
+
+// compiled_moe/fp8.py's _backward: (grad of a, of b, of bias) from fp8_forward's saved tensors:
+// dgrad from the weight's columnwise data, the weight gradient from the columnwise data of a
+// and of the gradient, dbias from the unquantized gradient (undefined where not needed).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_backward(torch::autograd::AutogradContext* ctx,
+                                                            const torch::autograd::variable_list& saved,
+                                                            const at::Tensor& grad, bool need_a, bool need_b,
+                                                            bool need_bias) {
+  const at::Tensor &a_col = saved[0], &a_col_s = saved[1], &w_col = saved[2], &w_col_s = saved[3], &offs = saved[4];
+  const std::string recipe = ctx->saved_data["recipe"].toStringRef();
+  const auto a_dtype = static_cast<c10::ScalarType>(ctx->saved_data["a_dtype"].toInt());
+  const auto b_dtype = static_cast<c10::ScalarType>(ctx->saved_data["b_dtype"].toInt());
+  const int64_t bias_dtype = ctx->saved_data["bias_dtype"].toInt();
+  at::Tensor grad_a, grad_b, grad_bias;
+  if (need_a || need_b) {
+    auto [g_q, g_s, g_col, g_col_s] = quantize(grad.to(a_dtype), offs, recipe, need_a, need_b);
+    // dgrad: grad (M, N) @ W (N, K); w_col (G, K, N) is W's columnwise data.
+    if (need_a) grad_a = scaled_mm(g_q, w_col.mT(), g_s, w_col_s, offs, recipe, a_dtype, std::nullopt);
+    if (need_b && ctx->saved_data["b_transposed"].toBool()) {  // (G, N, K), the weight's own storage order
+      grad_b = scaled_mm_wgrad(g_col, a_col, g_col_s, a_col_s, offs, recipe, b_dtype).mT();
+    } else if (need_b) {
+      grad_b = scaled_mm_wgrad(a_col, g_col, a_col_s, g_col_s, offs, recipe, b_dtype);
+    }
+  }
+  if (bias_dtype >= 0 && need_bias) grad_bias = grouped_sum(grad, offs, static_cast<c10::ScalarType>(bias_dtype));
+  return {grad_a, grad_b, grad_bias};
+}
+
+// Backward's ops dispatch straight to their kernels where nothing records them (no
+// create_graph).
+struct BelowAutogradUnlessRecording {
+  std::optional<at::AutoDispatchBelowADInplaceOrView> guard;
+  BelowAutogradUnlessRecording() {
+    if (!at::GradMode::is_enabled()) guard.emplace();
+  }
+};
+
+// fp8_grouped_mm. Inputs: a, b, offs, then the bias as a list of zero or one tensors (autograd
+// takes no undefined tensor and gives an optional<Tensor> no gradient), the weight's
+// quantization (quantize_weight's four tensors, or none), and whether a and b need gradients
+// (which directions of a and of the weight forward must quantize).
 class Fp8GroupedMmFunction : public torch::autograd::Function<Fp8GroupedMmFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b,
                             const at::Tensor& offs, at::TensorList bias, const std::string& recipe,
                             at::TensorList weight_fp8, bool need_a, bool need_b) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [a_q, a_s, a_col, a_col_s] = quantize(a, offs, recipe, true, need_b);
-    // b (G, K, N) is usually the transposed view of a (G, N, K) weight: b.mT is that weight.
-    Quantized w = weight_fp8.empty()
-                     ? quantize(b.mT(), std::nullopt, recipe, true, need_a)
-                     : Quantized{weight_fp8[0], weight_fp8[1], weight_fp8[2], weight_fp8[3]};
-    std::optional<at::Tensor> maybe_bias = bias.empty() ? std::nullopt : std::optional<at::Tensor>(bias[0]);
-    at::Tensor out = scaled_mm(a_q, std::get<0>(w).mT(), a_s, std::get<1>(w), offs, recipe, a.scalar_type(), maybe_bias);
-    ctx->save_for_backward({a_col, a_col_s, std::get<2>(w), std::get<3>(w), offs});
-    ctx->saved_data["recipe"] = recipe;
-    ctx->saved_data["a_dtype"] = static_cast<int64_t>(a.scalar_type());
-    ctx->saved_data["b_dtype"] = static_cast<int64_t>(b.scalar_type());
-    ctx->saved_data["b_transposed"] = is_transposed_weight(b);
-    ctx->saved_data["bias_dtype"] = bias.empty() ? int64_t(-1) : static_cast<int64_t>(bias[0].scalar_type());
-    ctx->saved_data["weight_fp8"] = static_cast<int64_t>(weight_fp8.size());
-    return out;
+    ctx->saved_data["inputs"] = static_cast<int64_t>(6 + bias.size() + weight_fp8.size());  // as forward's arguments
+    return fp8_forward(ctx, quantize(a, offs, recipe, true, need_b), a.scalar_type(), b,
+                       offs, first(bias), recipe, weight_fp8, need_a, {});
   }
 
-  // compiled_moe/fp8.py's _backward: dgrad from the weight's columnwise data, the weight
-  // gradient from the columnwise data of a and of the gradient, dbias from the unquantized one.
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto saved = ctx->get_saved_variables();
-    const at::Tensor &a_col = saved[0], &a_col_s = saved[1], &w_col = saved[2], &w_col_s = saved[3], &offs = saved[4];
-    const std::string recipe = ctx->saved_data["recipe"].toStringRef();
-    const auto a_dtype = static_cast<c10::ScalarType>(ctx->saved_data["a_dtype"].toInt());
-    const auto b_dtype = static_cast<c10::ScalarType>(ctx->saved_data["b_dtype"].toInt());
-    const int64_t bias_dtype = ctx->saved_data["bias_dtype"].toInt();
-    const bool need_a = ctx->needs_input_grad(0), need_b = ctx->needs_input_grad(1);
-    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
-    if (!at::GradMode::is_enabled()) below_autograd.emplace();
-    at::Tensor grad_a, grad_b, grad_bias;
-    if (need_a || need_b) {
-      auto [g_q, g_s, g_col, g_col_s] = quantize(grads[0].to(a_dtype), offs, recipe, need_a, need_b);
-      // dgrad: grad (M, N) @ W (N, K); w_col (G, K, N) is W's columnwise data.
-      if (need_a) grad_a = scaled_mm(g_q, w_col.mT(), g_s, w_col_s, offs, recipe, a_dtype, std::nullopt);
-      if (need_b && ctx->saved_data["b_transposed"].toBool()) {  // (G, N, K), the weight's own storage order
-        grad_b = scaled_mm_wgrad(g_col, a_col, g_col_s, a_col_s, offs, recipe, b_dtype).mT();
-      } else if (need_b) {
-        grad_b = scaled_mm_wgrad(a_col, g_col, a_col_s, g_col_s, offs, recipe, b_dtype);
-      }
-    }
+    BelowAutogradUnlessRecording below_autograd;
+    const bool has_bias = ctx->saved_data["bias_dtype"].toInt() >= 0;
+    auto [grad_a, grad_b, grad_bias] = fp8_backward(ctx, ctx->get_saved_variables(), grads[0], ctx->needs_input_grad(0),
+                                                    ctx->needs_input_grad(1), has_bias && ctx->needs_input_grad(3));
     torch::autograd::variable_list out = {grad_a, grad_b, at::Tensor()};  // a, b, offs
-    if (bias_dtype >= 0 && ctx->needs_input_grad(3))
-      grad_bias = grouped_sum(grads[0], offs, static_cast<c10::ScalarType>(bias_dtype));
-    if (bias_dtype >= 0) out.push_back(grad_bias);
-    out.resize(out.size() + 3 + ctx->saved_data["weight_fp8"].toInt());  // recipe, weight_fp8's tensors, the needs
+    if (has_bias) out.push_back(grad_bias);
+    out.resize(ctx->saved_data["inputs"].toInt());  // the rest take no gradient
+    return out;
+  }
+};
+
+// fp8_activation_grouped_mm (FC2 of the FP8 MLP): out = (act(h) (* probs)) @ b[g] (+ bias[g]),
+// FC2's input quantized both ways from h by moe_activation_quantize (compiled_moe/fp8.py's
+// _FP8ActivationGroupedMM). Inputs: h, b, offs, probs and bias as lists of zero or one, the
+// weight's quantization, the activation, and whether h, b and probs need gradients. Keeps h
+// (the activation's backward recomputes from it) and the activation's columnwise FP8 data.
+class Fp8ActivationGroupedMmFunction : public torch::autograd::Function<Fp8ActivationGroupedMmFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& h, const at::Tensor& b,
+                            const at::Tensor& offs, at::TensorList probs, at::TensorList bias,
+                            const std::string& recipe, at::TensorList weight_fp8, const std::string& activation,
+                            const std::string& gate_up_layout, double alpha, double limit, bool need_h, bool need_b,
+                            bool need_probs) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    ctx->saved_data["inputs"] = static_cast<int64_t>(11 + probs.size() + bias.size() + weight_fp8.size());
+    ctx->saved_data["activation"] = activation;
+    ctx->saved_data["gate_up_layout"] = gate_up_layout;
+    ctx->saved_data["alpha"] = alpha;
+    ctx->saved_data["limit"] = limit;
+    std::vector<at::Tensor> extra = {h};
+    if (!probs.empty()) extra.push_back(probs[0]);
+    const Quantized a_fp8 = activation_quantize(h, offs, activation, gate_up_layout, recipe, first(probs), need_b,
+                                                alpha, limit);
+    return fp8_forward(ctx, a_fp8, h.scalar_type(), b, offs, first(bias), recipe, weight_fp8, need_h || need_probs,
+                       extra);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    BelowAutogradUnlessRecording below_autograd;
+    const auto saved = ctx->get_saved_variables();
+    const bool has_probs = saved.size() > 6, has_bias = ctx->saved_data["bias_dtype"].toInt() >= 0;
+    const bool need_h = ctx->needs_input_grad(0), need_probs = has_probs && ctx->needs_input_grad(3);
+    const size_t bias_index = has_probs ? 4 : 3;
+    auto [grad_a, grad_b, grad_bias] = fp8_backward(ctx, saved, grads[0], need_h || need_probs, ctx->needs_input_grad(1),
+                                                    has_bias && ctx->needs_input_grad(bias_index));
+    const at::Tensor& h = saved[5];
+    const std::string& activation = ctx->saved_data["activation"].toStringRef();
+    const std::string& layout = ctx->saved_data["gate_up_layout"].toStringRef();
+    const double alpha = ctx->saved_data["alpha"].toDouble(), limit = ctx->saved_data["limit"].toDouble();
+    at::Tensor grad_h, grad_probs;
+    if (grad_a.defined() && has_probs) {  // a = act(h) * probs
+      std::tie(grad_h, grad_probs) = scaled_activation_backward(grad_a, h, saved[6], activation, layout, alpha, limit);
+      grad_probs = grad_probs.to(saved[6].scalar_type());
+    } else if (grad_a.defined()) {
+      grad_h = activation_backward(grad_a, h, activation, layout, alpha, limit);
+    }
+    torch::autograd::variable_list out = {grad_h, grad_b, at::Tensor()};  // h, b, offs
+    if (has_probs) out.push_back(grad_probs);
+    if (has_bias) out.push_back(grad_bias);
+    out.resize(ctx->saved_data["inputs"].toInt());  // the rest take no gradient
     return out;
   }
 };
@@ -491,20 +603,44 @@ void check_weight_fp8(at::TensorList weight_fp8, const at::Tensor& b, const std:
   }
 }
 
-// compiled_moe.fp8_grouped_mm past its Python wrapper's check that weight_fp8 is a tuple of 4
-// tensors (given as a list of 4, or empty): the wrapper's checks, then the autograd function.
+// compiled_moe/fp8.py's _check_operands, past its check that weight_fp8 is a tuple of 4
+// tensors (given here as a list of 4, or empty).
+void check_fp8_operands(const char* a_name, const at::Tensor& a, const at::Tensor& b, const std::string& recipe,
+                        at::TensorList weight_fp8) {
+  check_recipe(recipe);
+  check_tensor(a_name, a, 2);
+  check_tensor("b", b, 3);
+  if (!weight_fp8.empty()) check_weight_fp8(weight_fp8, b, recipe);
+}
+
+std::vector<at::Tensor> as_list(const std::optional<at::Tensor>& t) {
+  return t ? std::vector<at::Tensor>{*t} : std::vector<at::Tensor>{};
+}
+
+// compiled_moe.fp8_grouped_mm past its Python wrapper's check of weight_fp8's type: the
+// wrapper's checks, then the autograd function.
 at::Tensor fp8_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
                           const std::optional<at::Tensor>& bias, const std::string& recipe,
                           std::vector<at::Tensor> weight_fp8) {
-  check_recipe(recipe);
-  check_tensor("a", a, 2);
-  check_tensor("b", b, 3);
-  if (!weight_fp8.empty()) check_weight_fp8(weight_fp8, b, recipe);
-  std::vector<at::Tensor> bias_list;
-  if (bias) bias_list.push_back(*bias);
+  check_fp8_operands("a", a, b, recipe, weight_fp8);
   const bool grad = at::GradMode::is_enabled();
-  return Fp8GroupedMmFunction::apply(a, b, offs, at::TensorList(bias_list), recipe, at::TensorList(weight_fp8),
+  return Fp8GroupedMmFunction::apply(a, b, offs, at::TensorList(as_list(bias)), recipe, at::TensorList(weight_fp8),
                                      grad && a.requires_grad(), grad && b.requires_grad());
+}
+
+// compiled_moe.fp8_activation_grouped_mm past its Python wrapper's check of weight_fp8's type
+// (alpha and limit: the activation's constants as the ops take them).
+at::Tensor fp8_activation_grouped_mm(const at::Tensor& h, const at::Tensor& b, const at::Tensor& offs,
+                                     const std::optional<at::Tensor>& probs, const std::optional<at::Tensor>& bias,
+                                     const std::string& recipe, std::vector<at::Tensor> weight_fp8,
+                                     const std::string& activation, const std::string& gate_up_layout, double alpha,
+                                     double limit) {
+  check_fp8_operands("h", h, b, recipe, weight_fp8);
+  const bool grad = at::GradMode::is_enabled();
+  return Fp8ActivationGroupedMmFunction::apply(h, b, offs, at::TensorList(as_list(probs)),
+                                               at::TensorList(as_list(bias)), recipe, at::TensorList(weight_fp8),
+                                               activation, gate_up_layout, alpha, limit, grad && h.requires_grad(),
+                                               grad && b.requires_grad(), grad && probs && probs->requires_grad());
 }
 
 // compiled_moe::grouped_quantize's CUDA kernel: plan(x, offs, rowwise) gives the columnwise
@@ -547,6 +683,7 @@ void bind_fp8(pybind11::module_& m) {
   m.def("check_scaled_grouped_mm", &check_scaled_grouped_mm);
   m.def("check_weight_fp8", &check_weight_fp8);
   m.def("fp8_grouped_mm", &fp8_grouped_mm);
+  m.def("fp8_activation_grouped_mm", &fp8_activation_grouped_mm);
 #ifdef COMPILED_MOE_CUDA
   // kernels/scaled_grouped_mm_sm90.py's launcher launches through it (plan: its ForwardPlan).
   m.def("launch_fp8_blockwise_sm90",
