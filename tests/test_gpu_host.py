@@ -342,3 +342,35 @@ def test_scaled_mm_same_bits_as_the_ctypes_launch(M, K, N, G, monkeypatch):
 
     got = torch.ops.compiled_moe.scaled_grouped_mm(unaligned, *args[1:], "fp8_blockwise")
     assert torch.equal(got, fp8._scaled_grouped_mm._kernel(unaligned, *args[1:], "fp8_blockwise"))
+
+
+# ---------------------------------------------------------------------------- moe_activation_quantize
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation,layout", [("swiglu", "stacked"), ("gpt_oss", "interleaved"), ("relu2", "stacked")])
+def test_activation_quantize_same_bits_as_the_python_kernel(dtype, activation, layout):
+    """moe_activation_quantize (fp8_blockwise, both ways) through csrc/host/fp8.cpp's launch of
+    the one-pass kernel: the Python kernel's outputs bit for bit, in its layouts, with and
+    without probs; no host sync. An unaligned h takes the Python kernel."""
+    from compiled_moe.ops import fp8
+
+    assert "csrc/host/fp8.cpp" in \
+        torch._C._dispatch_dump("compiled_moe::moe_activation_quantize").split("CUDA:")[1].splitlines()[0]
+    M, inter, G = 700, 384, 6
+    n1 = inter if activation == "relu2" else 2 * inter
+    g = torch.Generator().manual_seed(M + n1)
+    buffer = (torch.randn(M, n1 + 8, generator=g) * 2).to(dtype).cuda()
+    offs = random_offsets(M, G, generator=g, empty_groups=1, tail=5).cuda()
+    probs = torch.rand(M, generator=g).cuda()
+    for h in (buffer[:, :n1], buffer[:, 4:4 + n1]):  # 16-byte aligned; 8 bytes off
+        for p in (None, probs):
+            args = (h, offs, activation, layout, "fp8_blockwise", p, True, True, 1.6, 6.5)
+            torch.ops.compiled_moe.moe_activation_quantize(*args)  # the plan, outside the check
+            with no_sync():
+                got = torch.ops.compiled_moe.moe_activation_quantize(*args)
+            want = fp8._moe_activation_quantize._kernel(*args)
+            for name, a, b in zip(("data", "scale", "col_data", "col_scale"), got, want):
+                assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype, name
+                assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                                   b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), name

@@ -61,6 +61,7 @@ def test_registrations_and_schema():
     assert _registered_in_cpp("grouped_quantize", "CUDA") == host.module().has_cuda
     assert not _registered_in_cpp("grouped_quantize", "CPU")
     assert _registered_in_cpp("scaled_grouped_mm", "CUDA") == host.module().has_cuda
+    assert _registered_in_cpp("moe_activation_quantize", "CUDA") == host.module().has_cuda
     assert not _registered_in_cpp("scaled_grouped_mm", "CPU")
     # The row ops: their CUDA kernels; autograd formulas and CPU paths stay Python's.
     for op in _ROW_OPS:
@@ -345,6 +346,36 @@ def test_fp8_grouped_mm_errors_are_the_python_checks(case):
 
     assert_same_error(lambda *args: fp8._check_operands("a", a, b, recipe, tuple(weight_fp8) or None),
                       lambda *args: host.module().fp8_grouped_mm(*args), a, b, offs, bias, recipe, weight_fp8)
+
+
+def _bad_activation_quantize_calls():
+    h, offs, probs = torch.randn(10, 256), torch.tensor([3, 3, 10], dtype=torch.int32), torch.rand(10)
+    r = "fp8_blockwise"
+    return {
+        "recipe": (h, offs, "swiglu", "stacked", "int8", None, True, True),
+        "h 1-D": (h[0], offs, "swiglu", "stacked", r, None, True, True),
+        "activation": (h, offs, "tanh", "stacked", r, None, True, True),
+        "layout": (h, offs, "swiglu", "blocked", r, None, True, True),
+        "odd columns": (h[:, :255], offs, "geglu", "stacked", r, None, True, True),
+        "offs int64": (h, offs.long(), "relu2", "stacked", r, None, True, True),
+        "probs 2-D": (h, offs, "swiglu", "stacked", r, probs[None], True, True),
+        "probs int": (h, offs, "swiglu", "stacked", r, probs.int(), True, True),
+        "probs rows": (h, offs, "swiglu", "stacked", r, probs[:9], True, True),
+        "probs elsewhere": (h, offs, "swiglu", "stacked", r, probs.to("meta"), True, True),
+        "no output": (h, offs, "silu", "stacked", r, None, False, False),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_activation_quantize_calls()))
+def test_activation_quantize_errors_are_the_python_checks(case):
+    """moe_activation_quantize's C++ checks (its CUDA kernel makes them): the Python checks'
+    exception types and messages, word for word; good arguments pass."""
+    from compiled_moe.ops import fp8
+
+    args = _bad_activation_quantize_calls()[case]
+    assert_same_error(fp8._check_activation_quantize, host.module().check_moe_activation_quantize, *args)
+    h, offs = torch.randn(10, 256), torch.tensor([3, 3, 10], dtype=torch.int32)
+    host.module().check_moe_activation_quantize(h, offs, "gpt_oss", "interleaved", "mxfp8", torch.rand(10), True, False)
 
 
 _BAD_ROUTES = {

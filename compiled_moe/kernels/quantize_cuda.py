@@ -167,6 +167,34 @@ def activation_fits(h, activation: str, slots: int) -> bool:
     return shared_bytes(h.dtype, 2, slots, _pieces(activation)) <= _SHARED_LIMIT
 
 
+def _activation_launch(h, inter: int, slots: int, activation: str) -> tuple[str, int, int, int, int]:
+    """(kernel name, grid, shared bytes, stages, rows per band) of activate_quantize for FC1's
+    output h and the activation's inter columns."""
+    pieces = _pieces(activation)
+    dev = h.device.index if h.device.index is not None else torch.cuda.current_device()
+    cfg = quantize_columns_cuda_config(pieces * stage_bytes(h.dtype), shared_bytes(h.dtype, 0, slots), True)
+    grid = max(1, min(cfg.ctas_per_sm * _num_sms(dev), slots * -(-inter // 128)))
+    return (f"activate_quantize_fp8_blockwise_{_SUFFIX[h.dtype]}", grid,
+            shared_bytes(h.dtype, cfg.num_stages, slots, pieces), cfg.num_stages, max(1, cfg.group_m))
+
+
+def host_activation_plan(h, offs, activation: str):
+    """The C++ host layer's question on its first moe_activation_quantize call at a shape
+    (fp8_blockwise, both ways; csrc/host/fp8.cpp's ColumnsPlan): (kernel handle, grid, threads,
+    shared bytes, stages, rows per band, slots) of activate_quantize, or None where the kernel
+    does not take h (then the op's Python kernel serves). The address is checked at each
+    call."""
+    recipe = "fp8_blockwise"
+    slots = fp8_column_slots(h.shape[0], offs.shape[0], recipe)
+    if not activation_supported(h, recipe, activation) or not activation_fits(h, activation, slots):
+        return None
+    inter = h.shape[1] // _pieces(activation)
+    name, grid, shared, stages, group_m = _activation_launch(h, inter, slots, activation)
+    dev = h.device.index
+    handle = native.function_handle(native.kernel("grouped_quantize", name, dev), dev)
+    return handle, grid, threads(h.dtype), shared, stages, group_m, slots
+
+
 def activate_quantize(h, offs, probs, activation: str, interleaved: bool, alpha: float,
                       limit: float, col_q, col_s, row_q, row_s) -> None:
     """a = act(h) (* probs, fp32 (M,)) quantized fp8_blockwise both ways into row_q (M, I) /
@@ -176,20 +204,14 @@ def activate_quantize(h, offs, probs, activation: str, interleaved: bool, alpha:
     M, inter = row_q.shape
     if inter == 0:
         return
-    pieces = _pieces(activation)
     G, S = offs.shape[0], col_s.shape[1]
     dev = h.device.index if h.device.index is not None else torch.cuda.current_device()
-    cfg = quantize_columns_cuda_config(pieces * stage_bytes(h.dtype),
-                                       shared_bytes(h.dtype, 0, S), True)
-    shared = shared_bytes(h.dtype, cfg.num_stages, S, pieces)
-    grid = max(1, min(cfg.ctas_per_sm * _num_sms(dev), S * -(-inter // 128)))
+    name, grid, shared, stages, group_m = _activation_launch(h, inter, S, activation)
     i32, i64 = native.int32, native.int64
     native.launch_driver(
-        native.kernel("grouped_quantize", f"activate_quantize_fp8_blockwise_{_SUFFIX[h.dtype]}",
-                      dev),
-        grid, threads(h.dtype), shared,
+        native.kernel("grouped_quantize", name, dev), grid, threads(h.dtype), shared,
         h, i64(h.stride(0)), offs.contiguous(), i32(M), i32(inter), i32(G), i32(S),
-        i32(max(1, cfg.group_m)), i32(cfg.num_stages),
+        i32(group_m), i32(stages),
         col_q, i64(col_q.stride(0)), col_s, *_strides(col_s),
         row_q, i64(row_q.stride(0)), row_s, *_strides(row_s),
         i32(CODES[activation]), i32(int(interleaved)),

@@ -280,7 +280,20 @@ def _activation_outputs(h, offs, activation, recipe, rowwise, columnwise):
 # CUDA kernel reads h and writes only the FP8 data and scales (kernels/quantize_cuda.py); a in
 # h's dtype never goes through memory. Elsewhere: the activation op, then grouped_quantize.
 # Opaque in compiled graphs, as the CUDA quantizer is.
-@kernel_op("moe_activation_quantize", device_types=("cuda", "cpu"))
+def _register_host_activation_quantize(module) -> list[str]:
+    """The C++ host layer's moe_activation_quantize CUDA kernel (csrc/host/fp8.cpp): checks and
+    the launch of the one-pass kernel (fp8_blockwise both ways; its plan asked of
+    quantize_cuda.host_activation_plan once per shape); the op's Python kernel serves the rest."""
+    from compiled_moe import native
+
+    if not (module.has_cuda and native.available()):
+        return []
+    return module.register_moe_activation_quantize(
+        lambda h, offs, activation: _quantize_cuda().host_activation_plan(h, offs, activation),
+        lambda *args: _moe_activation_quantize._kernel(*args))
+
+
+@kernel_op("moe_activation_quantize", device_types=("cuda", "cpu"), host=_register_host_activation_quantize)
 @on_tensor_device
 def _moe_activation_quantize(h: Tensor, offs: Tensor, activation: str, gate_up_layout: str,
                              recipe: str, probs: Optional[Tensor] = None, rowwise: bool = True,

@@ -123,6 +123,21 @@ inline void check_int32_tensor(const char* name, const at::Tensor& t, int64_t nd
   CM_CHECK_TYPE(t.scalar_type() == c10::kInt, name, " must have dtype in (int32), got ", dtype_name(t.scalar_type()));
 }
 
+// ops/activations.py's names (reference.ACTIVATIONS, GATED_ACTIVATIONS: the first three; the
+// index is the kernels' activation code) and layouts.
+inline constexpr std::array<const char*, 6> kActivations = {"swiglu", "geglu", "gpt_oss", "relu2", "gelu", "silu"};
+inline constexpr int kGated = 3;
+inline constexpr std::array<const char*, 2> kLayouts = {"stacked", "interleaved"};
+
+inline int activation_code(const std::string& activation) {  // -1: not an activation's name
+  for (size_t i = 0; i < kActivations.size(); ++i)
+    if (activation == kActivations[i]) return static_cast<int>(i);
+  return -1;
+}
+
+// ops/activations.py's check_activation_input (rows.cpp).
+void check_moe_activation(const at::Tensor& h, const std::string& activation, const std::string& gate_up_layout);
+
 // A string as Python's repr writes it (no escapes needed for the names the ops take).
 inline std::string py_repr(const std::string& s) {
   const char quote = s.find('\'') != std::string::npos && s.find('"') == std::string::npos ? '"' : '\'';

@@ -93,6 +93,25 @@ void check_grouped_quantize(const at::Tensor& x, const std::optional<at::Tensor>
   check_same_device("x", x, "offs", *offs);
 }
 
+// compiled_moe/ops/fp8.py's _check_activation_quantize.
+void check_moe_activation_quantize(const at::Tensor& h, const at::Tensor& offs, const std::string& activation,
+                                   const std::string& gate_up_layout, const std::string& recipe,
+                                   const std::optional<at::Tensor>& probs, bool rowwise, bool columnwise) {
+  check_recipe(recipe);
+  check_moe_activation(h, activation, gate_up_layout);
+  check_offs(offs);
+  if (probs) {  // ops/moe_mlp.py's check_probs
+    check_dims("probs", *probs, 1);
+    CM_CHECK_TYPE(at::isFloatingType(probs->scalar_type()), "probs must be a floating-point tensor, got ",
+                  dtype_name(probs->scalar_type()));
+    CM_CHECK_VALUE(probs->sym_size(0) == h.sym_size(0), "probs must be (", size_str(h.sym_size(0)),
+                   ",), one per sorted row, got ", shape_str(probs->sym_sizes()));
+  }
+  check_same_device("h", h, "offs", offs);
+  if (probs) check_same_device("h", h, "probs", *probs);
+  CM_CHECK_VALUE(rowwise || columnwise, "ask for rowwise and/or columnwise output");
+}
+
 // compiled_moe/ops/fp8.py's _check_scaled_mm.
 void check_scaled_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale,
                              const at::Tensor& b_scale, const at::Tensor& offs, const std::string& recipe,
@@ -202,6 +221,48 @@ std::optional<ColumnsPlan> plan_for(const at::Tensor& x, const at::Tensor& offs,
   return plans.get(key, [&] { return columns_plan()(x, offs, rowwise); });
 }
 
+// The activation of moe_activation_quantize's kernel (activate_quantize_*): its code and
+// layout, probs (fp32, or null) and the gpt_oss constants.
+struct ActivationArgs {
+  int32_t code, interleaved;
+  const void* probs;
+  float alpha, limit;
+};
+
+// The columnwise kernels' launch: quantize_columns_* of x (M, K), or, with `act`,
+// activate_quantize_* of FC1's output x (M, N1), K being the activation's columns. Outputs in
+// ops/fp8.py's _quantize_outputs layouts: e4m3 data, fp32 scales; columnwise data (K, M) with
+// rows padded to 16 bytes (TMA), columnwise scales (K, slots) with K contiguous; rowwise ones
+// empty unless asked for.
+Quantized launch_columns(const at::Tensor& x, const at::Tensor& offs, int64_t K, const ColumnsPlan& plan, bool rowwise,
+                         const ActivationArgs* act) {
+  const int64_t M = x.size(0), G = offs.size(0);
+  const auto fp8 = x.options().dtype(at::kFloat8_e4m3fn), fp32 = x.options().dtype(at::kFloat);
+  at::Tensor col_q = at::empty_strided({K, M}, {(M + 15) / 16 * 16, 1}, fp8);
+  at::Tensor col_s = at::empty({plan.slots, K}, fp32).t();
+  at::Tensor row_q = rowwise ? at::empty({M, K}, fp8) : at::empty({0}, fp8);
+  at::Tensor row_s = rowwise ? at::empty({M, (K + 127) / 128}, fp32) : at::empty({0}, fp32);
+  if (K == 0) return {row_q, row_s, col_q, col_s};
+  const int device = x.device().index();
+  ensure_context(device);
+  const at::Tensor offs_c = offs.contiguous();
+  const at::Tensor& rq = rowwise ? row_q : col_q;  // unused pointers when not rowwise
+  const at::Tensor& rs = rowwise ? row_s : col_s;
+  const void *x_p = x.data_ptr(), *offs_p = offs_c.data_ptr();
+  void *col_q_p = col_q.data_ptr(), *col_s_p = col_s.data_ptr(), *rq_p = rq.data_ptr(), *rs_p = rs.data_ptr();
+  int64_t x_stride = x.stride(0), col_q_stride = col_q.stride(0), col_s_0 = col_s.stride(0), col_s_1 = col_s.stride(1),
+          rq_stride = rq.stride(0), rs_0 = rs.stride(0), rs_1 = rs.stride(1);
+  int32_t m = static_cast<int32_t>(M), k = static_cast<int32_t>(K), g = static_cast<int32_t>(G),
+          s = static_cast<int32_t>(plan.slots), group_m = plan.group_m, stages = plan.num_stages;
+  ActivationArgs a = act ? *act : ActivationArgs{};
+  std::vector<void*> args = {&x_p,         &x_stride, &offs_p,  &m,       &k,    &g,         &s,
+                             &group_m,     &stages,   &col_q_p, &col_q_stride, &col_s_p, &col_s_0, &col_s_1,
+                             &rq_p,        &rq_stride, &rs_p,   &rs_0,    &rs_1};
+  if (act) args.insert(args.end(), {&a.code, &a.interleaved, &a.probs, &a.alpha, &a.limit});
+  launch(device, plan.function, plan.grid, plan.threads, plan.shared_bytes, args.data());
+  return {row_q, row_s, col_q, col_s};
+}
+
 Quantized grouped_quantize_cuda(const at::Tensor& x, const std::optional<at::Tensor>& offs, const std::string& recipe,
                               bool rowwise, bool columnwise) {
   check_grouped_quantize(x, offs, recipe, rowwise, columnwise);
@@ -219,31 +280,45 @@ Quantized grouped_quantize_cuda(const at::Tensor& x, const std::optional<at::Ten
     pybind11::gil_scoped_acquire gil;
     return quantize_python_kernel()(x, offs, recipe, rowwise, columnwise).cast<Quantized>();
   }
-  // ops/fp8.py's _quantize_outputs: e4m3 data, fp32 scales; columnwise data (K, M) with rows
-  // padded to 16 bytes (TMA), columnwise scales (K, slots) with K contiguous; an output not
-  // asked for is empty.
-  const int64_t M = x.size(0), K = x.size(1), G = offs->size(0);
-  const auto fp8 = x.options().dtype(at::kFloat8_e4m3fn), fp32 = x.options().dtype(at::kFloat);
-  at::Tensor col_q = at::empty_strided({K, M}, {(M + 15) / 16 * 16, 1}, fp8);
-  at::Tensor col_s = at::empty({plan->slots, K}, fp32).t();
-  at::Tensor row_q = rowwise ? at::empty({M, K}, fp8) : at::empty({0}, fp8);
-  at::Tensor row_s = rowwise ? at::empty({M, (K + 127) / 128}, fp32) : at::empty({0}, fp32);
-  if (K == 0) return {row_q, row_s, col_q, col_s};
-  const int device = x.device().index();
-  ensure_context(device);
-  const at::Tensor offs_c = offs->contiguous();
-  const at::Tensor& rq = rowwise ? row_q : col_q;  // unused pointers when not rowwise
-  const at::Tensor& rs = rowwise ? row_s : col_s;
-  const void *x_p = x.data_ptr(), *offs_p = offs_c.data_ptr();
-  void *col_q_p = col_q.data_ptr(), *col_s_p = col_s.data_ptr(), *rq_p = rq.data_ptr(), *rs_p = rs.data_ptr();
-  int64_t x_stride = x.stride(0), col_q_stride = col_q.stride(0), col_s_0 = col_s.stride(0), col_s_1 = col_s.stride(1),
-          rq_stride = rq.stride(0), rs_0 = rs.stride(0), rs_1 = rs.stride(1);
-  int32_t m = static_cast<int32_t>(M), k = static_cast<int32_t>(K), g = static_cast<int32_t>(G),
-          s = static_cast<int32_t>(plan->slots), group_m = plan->group_m, stages = plan->num_stages;
-  void* args[] = {&x_p,    &x_stride,     &offs_p,  &m,       &k,       &g,    &s,     &group_m, &stages, &col_q_p,
-                  &col_q_stride, &col_s_p, &col_s_0, &col_s_1, &rq_p, &rq_stride, &rs_p, &rs_0,    &rs_1};
-  launch(device, plan->function, plan->grid, plan->threads, plan->shared_bytes, args);
-  return {row_q, row_s, col_q, col_s};
+  return launch_columns(x, *offs, x.size(1), *plan, rowwise, nullptr);
+}
+
+pybind11::object& activation_plan() {  // kernels/quantize_cuda.py's host_activation_plan
+  static pybind11::object* fn = new pybind11::object();
+  return *fn;
+}
+pybind11::object& activation_python_kernel() {  // moe_activation_quantize's Python kernel
+  static pybind11::object* fn = new pybind11::object();
+  return *fn;
+}
+
+// torch.ops.compiled_moe.moe_activation_quantize's CUDA kernel: fp8_blockwise both ways of
+// a = act(h) (* probs) from FC1's output h, in one pass over h (csrc/grouped_quantize.cu's
+// activate_quantize); the rest goes to the op's Python kernel.
+Quantized moe_activation_quantize_cuda(const at::Tensor& h, const at::Tensor& offs, const std::string& activation,
+                                       const std::string& gate_up_layout, const std::string& recipe,
+                                       const std::optional<at::Tensor>& probs, bool rowwise, bool columnwise,
+                                       double alpha, double limit) {
+  check_moe_activation_quantize(h, offs, activation, gate_up_layout, recipe, probs, rowwise, columnwise);
+  c10::DeviceGuard guard(h.device());
+  const int code = activation_code(activation);
+  std::optional<ColumnsPlan> plan;
+  if (rowwise && columnwise && recipe == kRecipes[1] && reinterpret_cast<uint64_t>(h.data_ptr()) % 16 == 0) {
+    static PlanCache<ColumnsPlan> plans;
+    const ShapeKey key{{h.size(0), h.size(1), offs.size(0), h.stride(0), h.stride(1), static_cast<int64_t>(h.scalar_type()),
+                        code, h.device().index(), 0, 0, 0, 0, 0}};
+    plan = plans.get(key, [&] { return activation_plan()(h, offs, activation); });
+  }
+  if (!plan) {
+    pybind11::gil_scoped_acquire gil;
+    return activation_python_kernel()(h, offs, activation, gate_up_layout, recipe, probs, rowwise, columnwise, alpha,
+                                      limit)
+        .cast<Quantized>();
+  }
+  const at::Tensor probs32 = probs ? probs->to(at::kFloat).contiguous() : at::Tensor();
+  const ActivationArgs act{code, gate_up_layout == kLayouts[1], probs ? probs32.data_ptr() : nullptr,
+                           static_cast<float>(alpha), static_cast<float>(limit)};
+  return launch_columns(h, offs, code < kGated ? h.size(1) / 2 : h.size(1), *plan, true, &act);
 }
 
 // ------------------------------------------------------------------------------ scaled_grouped_mm
@@ -675,12 +750,30 @@ std::vector<std::string> register_scaled_grouped_mm(pybind11::object plan, pybin
 #endif
 }
 
+// compiled_moe::moe_activation_quantize's CUDA kernel: plan(h, offs, activation) gives the
+// activate_quantize kernel's plan (fp8_blockwise both ways), or None; python_kernel(h, offs,
+// activation, gate_up_layout, recipe, probs, rowwise, columnwise, alpha, limit) serves the rest.
+// Returns the dispatch keys registered.
+std::vector<std::string> register_moe_activation_quantize(pybind11::object plan, pybind11::object python_kernel_fn) {
+#ifdef COMPILED_MOE_CUDA
+  activation_plan() = std::move(plan);
+  activation_python_kernel() = std::move(python_kernel_fn);
+  library().impl("moe_activation_quantize",
+                 torch::dispatch(c10::DispatchKey::CUDA, TORCH_FN(moe_activation_quantize_cuda)));
+  return {"CUDA"};
+#else
+  return {};
+#endif
+}
+
 void bind_fp8(pybind11::module_& m) {
   m.def("register_grouped_quantize", &register_grouped_quantize);
   m.def("register_scaled_grouped_mm", &register_scaled_grouped_mm);
+  m.def("register_moe_activation_quantize", &register_moe_activation_quantize);
   // The checks alone (the CUDA kernels make them), for tests on any machine.
   m.def("check_grouped_quantize", &check_grouped_quantize);
   m.def("check_scaled_grouped_mm", &check_scaled_grouped_mm);
+  m.def("check_moe_activation_quantize", &check_moe_activation_quantize);
   m.def("check_weight_fp8", &check_weight_fp8);
   m.def("fp8_grouped_mm", &fp8_grouped_mm);
   m.def("fp8_activation_grouped_mm", &fp8_activation_grouped_mm);

@@ -63,18 +63,6 @@ void check_permute_as(const char* name, const at::Tensor& hidden, const at::Tens
   check_pair_tensor("scale", scale, row_of);
 }
 
-// ops/activations.py's names (reference.ACTIVATIONS, GATED_ACTIVATIONS: the first three; the
-// index is the kernels' activation code) and layouts.
-constexpr std::array<const char*, 6> kActivations = {"swiglu", "geglu", "gpt_oss", "relu2", "gelu", "silu"};
-constexpr int kGated = 3;
-constexpr std::array<const char*, 2> kLayouts = {"stacked", "interleaved"};
-
-int activation_code(const std::string& activation) {
-  for (size_t i = 0; i < kActivations.size(); ++i)
-    if (activation == kActivations[i]) return static_cast<int>(i);
-  return -1;
-}
-
 c10::SymInt activation_columns(const at::Tensor& h, int code) {
   return code < kGated ? h.sym_size(1) / 2 : h.sym_size(1);
 }
