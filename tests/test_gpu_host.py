@@ -374,3 +374,38 @@ def test_activation_quantize_same_bits_as_the_python_kernel(dtype, activation, l
                 assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype, name
                 assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                                    b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), name
+
+
+# ---------------------------------------------------------------------------- scaled_grouped_mm_wgrad
+
+
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_rowwise"])
+@pytest.mark.parametrize("multiple", [16, 1])
+def test_scaled_wgrad_same_bits_as_the_python_kernel(recipe, multiple, monkeypatch):
+    """scaled_grouped_mm_wgrad through csrc/host/fp8.cpp: the registered CUDA kernel is the
+    layer's; with groups on 16-row starts (the Hopper kernel's) and off them (the Triton kernel
+    after it), every output dtype, its outputs equal the op's Python kernel's bit for bit, and
+    the Python launcher's ctypes launch of the same Hopper kernel; no host sync."""
+    from compiled_moe.kernels import scaled_grouped_mm_sm90 as sm90
+    from compiled_moe.ops import fp8
+
+    assert "csrc/host/fp8.cpp" in \
+        torch._C._dispatch_dump("compiled_moe::scaled_grouped_mm_wgrad").split("CUDA:")[1].splitlines()[0]
+    M, P, Q, G = 1024, 384, 256, 6
+    g = torch.Generator().manual_seed(M + multiple)
+    a, d = torch.randn(M, P, generator=g).bfloat16().cuda(), torch.randn(M, Q, generator=g).bfloat16().cuda()
+    offs = (random_offsets(M // multiple, G, generator=g, empty_groups=1, tail=2) * multiple).cuda()
+    _, _, a_t, a_s = cm.grouped_quantize(a, offs, recipe, rowwise=False, columnwise=True)
+    _, _, d_t, d_s = cm.grouped_quantize(d, offs, recipe, rowwise=False, columnwise=True)
+    args = (a_t, d_t, a_s, d_s, offs, recipe)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        torch.ops.compiled_moe.scaled_grouped_mm_wgrad(*args, out_dtype)  # the plan, outside the check
+        with no_sync():
+            got = torch.ops.compiled_moe.scaled_grouped_mm_wgrad(*args, out_dtype)
+        assert torch.equal(got, fp8._scaled_grouped_mm_wgrad._kernel(*args, out_dtype)), out_dtype
+        if multiple == 16:  # the Hopper kernel computes it all: its ctypes launch
+            with monkeypatch.context() as m:
+                m.setattr(sm90.host_layer, "cuda_module", lambda: None)
+                want = torch.full(got.shape, float("nan"), device="cuda", dtype=out_dtype)
+                sm90.scaled_grouped_mm_wgrad(a_t, d_t, a_s, d_s, offs, recipe, want)
+            assert torch.equal(got, want), out_dtype

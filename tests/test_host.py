@@ -62,6 +62,7 @@ def test_registrations_and_schema():
     assert not _registered_in_cpp("grouped_quantize", "CPU")
     assert _registered_in_cpp("scaled_grouped_mm", "CUDA") == host.module().has_cuda
     assert _registered_in_cpp("moe_activation_quantize", "CUDA") == host.module().has_cuda
+    assert _registered_in_cpp("scaled_grouped_mm_wgrad", "CUDA") == host.module().has_cuda
     assert not _registered_in_cpp("scaled_grouped_mm", "CPU")
     # The row ops: their CUDA kernels; autograd formulas and CPU paths stay Python's.
     for op in _ROW_OPS:
@@ -346,6 +347,49 @@ def test_fp8_grouped_mm_errors_are_the_python_checks(case):
 
     assert_same_error(lambda *args: fp8._check_operands("a", a, b, recipe, tuple(weight_fp8) or None),
                       lambda *args: host.module().fp8_grouped_mm(*args), a, b, offs, bias, recipe, weight_fp8)
+
+
+def _scaled_wgrad_operands(recipe="fp8_blockwise", M=300, P=256, Q=128, G=3):
+    """Good scaled_grouped_mm_wgrad arguments: (a_t, d_t, a_scale, d_scale, offs) of a recipe."""
+    from compiled_moe import reference
+
+    slots = reference.fp8_column_slots(M, G, recipe)
+    scale = torch.uint8 if recipe == "mxfp8" else torch.float32
+    return (torch.zeros(P, M, dtype=torch.float8_e4m3fn), torch.zeros(Q, M, dtype=torch.float8_e4m3fn),
+            torch.ones(P, slots, dtype=scale), torch.ones(Q, slots, dtype=scale),
+            torch.tensor([100, 100, 290], dtype=torch.int32))
+
+
+def _bad_scaled_wgrad_calls():
+    a_t, d_t, a_s, d_s, offs = _scaled_wgrad_operands()
+    r = "fp8_blockwise"
+    return {
+        "recipe": (a_t, d_t, a_s, d_s, offs, "fp8", None),
+        "a_t 3-D": (a_t[None], d_t, a_s, d_s, offs, r, None),
+        "d_t bf16": (a_t, d_t.bfloat16(), a_s, d_s, offs, r, None),
+        "offs 2-D": (a_t, d_t, a_s, d_s, offs[None], r, None),
+        "d_scale elsewhere": (a_t, d_t, a_s, d_s.to("meta"), offs, r, None),
+        "M": (a_t, d_t[:, :200], a_s, d_s, offs, r, None),
+        "a_t rowwise": (a_t.T.contiguous().T, d_t, a_s, d_s, offs, r, None),
+        "d_t rowwise": (a_t, d_t.T.contiguous().T, a_s, d_s, offs, r, None),
+        "a_scale slots": (a_t, d_t, a_s[:, :2], d_s, offs, r, None),
+        "d_scale dtype": (a_t, d_t, a_s, d_s.half(), offs, r, None),
+        "rowwise slots": (a_t, d_t, a_s, d_s, offs, "fp8_rowwise", None),
+        "mxfp8 dtype": (a_t, d_t, a_s, d_s, offs, "mxfp8", None),
+        "out_dtype": (a_t, d_t, a_s, d_s, offs, r, torch.int32),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_scaled_wgrad_calls()))
+def test_scaled_wgrad_errors_are_the_python_checks(case):
+    """scaled_grouped_mm_wgrad's C++ checks (its CUDA kernel makes them): the Python checks'
+    exception types and messages, word for word; good arguments of each recipe pass."""
+    from compiled_moe.ops import fp8
+
+    args = _bad_scaled_wgrad_calls()[case]
+    assert_same_error(fp8._check_scaled_wgrad, host.module().check_scaled_grouped_mm_wgrad, *args)
+    for recipe in ("fp8_blockwise", "fp8_rowwise", "mxfp8"):
+        host.module().check_scaled_grouped_mm_wgrad(*_scaled_wgrad_operands(recipe), recipe, torch.float32)
 
 
 def _bad_activation_quantize_calls():

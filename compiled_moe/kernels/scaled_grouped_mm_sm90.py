@@ -197,6 +197,44 @@ def wgrad_stages(requested: int, num_groups: int, out_dtype: torch.dtype) -> int
     return fit_stages(requested, lambda n: _wgrad_shared_bytes(num_groups, n, out_dtype))
 
 
+class WgradPlan(NamedTuple):
+    """What a weight-gradient launch needs beyond its tensors (launch_wgrad's kernels as driver
+    handles, their sizes), fixed for a problem's shape; the C++ host layer asks for it once per
+    shape."""
+    function: int          # fp8_grouped_mm_wgrad
+    claimed: int           # its _claimed twin (tiles claimed at run time)
+    tile_order: int        # wgrad_tile_order (csrc/grouped_mm.cu)
+    grid: int
+    shared_bytes: int
+    num_stages: int
+    tiles_per_group: int
+    claim_steps: int
+
+
+def wgrad_plan(M: int, P: int, Q: int, G: int, out_dtype: torch.dtype, dev: int, num_stages=None) -> WgradPlan:
+    cfg = fp8_wgrad_sm90_config(size_hint(M) // G)
+    num_stages = wgrad_stages(num_stages or cfg.num_stages, G, out_dtype)
+    tiles_per_group = -(-P // 128) * -(-Q // 128)
+
+    def handle(source, name):
+        return native.function_handle(native.kernel(source, name, dev), dev)
+    return WgradPlan(handle("fp8_grouped_mm", "fp8_grouped_mm_wgrad"),
+                     handle("fp8_grouped_mm", "fp8_grouped_mm_wgrad_claimed"),
+                     handle("grouped_mm", "wgrad_tile_order"), min(_num_sms(dev), G * tiles_per_group),
+                     _wgrad_shared_bytes(G, num_stages, out_dtype), num_stages, tiles_per_group,
+                     FP8_WGRAD_CLAIM_STEPS)
+
+
+def host_wgrad_plan(a_t, d_t, recipe: str, out_dtype, num_groups: int):
+    """The C++ host layer's question on its first scaled_grouped_mm_wgrad call at a shape: the
+    plan where the Hopper kernel applies (``wgrad_supported``, P, Q > 0), else None (then the
+    op's Python kernel serves). Addresses are checked at each call."""
+    (P, M), Q = a_t.shape, d_t.shape[0]
+    if not (wgrad_supported(a_t, d_t, recipe, num_groups) and P > 0 and Q > 0):
+        return None
+    return wgrad_plan(M, P, Q, num_groups, out_dtype, a_t.device.index)
+
+
 def scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe: str, out,
                             num_stages=None) -> None:
     """out[g] (P, Q) = a_g^T @ d_g from columnwise e4m3 data a_t (P, M), d_t (Q, M) with their
@@ -207,24 +245,26 @@ def scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe: str, out,
     Q = d_t.shape[0]
     G = out.shape[0]
     dev = a_t.device.index if a_t.device.index is not None else torch.cuda.current_device()
+    plan = wgrad_plan(M, P, Q, G, out.dtype, dev, num_stages)
+    host = host_layer.cuda_module()
+    if host is not None:  # maps and launches from C++, without ctypes' argument packing
+        host.launch_fp8_wgrad_sm90(a_t, d_t, a_scale, d_scale, offs, recipe == "fp8_rowwise", out, plan)
+        return
     i32, i64 = native.int32, native.int64
+    # (csrc/host/fp8.cpp's launch_fp8_wgrad_sm90 builds the same maps.)
     m = max(M, 1)  # a tensor map needs a nonzero extent; M = 0 loads nothing
     a_map = native.tensor_map(a_t.data_ptr(), (m, P), (a_t.stride(0),), (128, 128))
     d_map = native.tensor_map(d_t.data_ptr(), (m, Q), (d_t.stride(0),), (128, 128))
     es = out.element_size()
     out_map = native.tensor_map(out.data_ptr(), (Q, P, G), (out.stride(1) * es, out.stride(0) * es),
                                 (128 // es, 64, 1), _OUT_MAP_TYPES[out.dtype])
-    cfg = fp8_wgrad_sm90_config(size_hint(M) // G)
-    num_stages = wgrad_stages(num_stages or cfg.num_stages, G, out.dtype)
-    tiles_per_group = -(-P // 128) * -(-Q // 128)
     offs = offs.contiguous()
     launch_wgrad(
-        "fp8_grouped_mm", "fp8_grouped_mm_wgrad", min(_num_sms(dev), G * tiles_per_group),
-        _wgrad_shared_bytes(G, num_stages, out.dtype), offs, M, G, tiles_per_group, 128,
-        FP8_WGRAD_CLAIM_STEPS, 0, dev,
+        "fp8_grouped_mm", "fp8_grouped_mm_wgrad", plan.grid, plan.shared_bytes, offs, M, G,
+        plan.tiles_per_group, 128, plan.claim_steps, 0, dev,
         a_map, d_map, out_map,
         a_scale, i64(a_scale.stride(0)), i32(a_scale.stride(1)),
         d_scale, i64(d_scale.stride(0)), i32(d_scale.stride(1)),
-        i32(_OUT_KINDS[out.dtype]), offs, i32(M), i32(P), i32(Q), i32(G), i32(num_stages),
+        i32(_OUT_KINDS[out.dtype]), offs, i32(M), i32(P), i32(Q), i32(G), i32(plan.num_stages),
         i32(int(recipe == "fp8_rowwise")),
     )

@@ -459,7 +459,27 @@ def _check_scaled_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype) -> 
     _check_out(out_dtype)
 
 
-@kernel_op("scaled_grouped_mm_wgrad", device_types=("cuda", "cpu"), traced=True)
+def _register_host_scaled_wgrad(module) -> list[str]:
+    """The C++ host layer's scaled_grouped_mm_wgrad CUDA kernel (csrc/host/fp8.cpp): checks and
+    the Hopper kernel's launch (its plan asked of scaled_grouped_mm_sm90.host_wgrad_plan once per
+    shape), then the Triton kernel for groups off 16-row starts, launched from here as
+    _run_fp8_grouped_mm_wgrad_sm90 launches it; the op's Python kernel serves the rest."""
+    from compiled_moe import native
+
+    if not (module.has_cuda and native.available()):
+        return []
+
+    def unaligned_groups(a_t, d_t, a_scale, d_scale, offs, recipe, out):
+        _kernels()[1].scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out,
+                                              only_unaligned=True)
+
+    return module.register_scaled_grouped_mm_wgrad(lambda *args: _sm90().host_wgrad_plan(*args),
+                                                   unaligned_groups,
+                                                   lambda *args: _scaled_grouped_mm_wgrad._kernel(*args))
+
+
+@kernel_op("scaled_grouped_mm_wgrad", device_types=("cuda", "cpu"), traced=True,
+           host=_register_host_scaled_wgrad)
 @on_tensor_device
 def _scaled_grouped_mm_wgrad(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale: Tensor,
                              offs: Tensor, recipe: str,

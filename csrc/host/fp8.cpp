@@ -93,6 +93,34 @@ void check_grouped_quantize(const at::Tensor& x, const std::optional<at::Tensor>
   check_same_device("x", x, "offs", *offs);
 }
 
+// compiled_moe/ops/fp8.py's _check_scaled_wgrad.
+void check_scaled_grouped_mm_wgrad(const at::Tensor& a_t, const at::Tensor& d_t, const at::Tensor& a_scale,
+                                   const at::Tensor& d_scale, const at::Tensor& offs, const std::string& recipe,
+                                   std::optional<c10::ScalarType> out_dtype) {
+  check_recipe(recipe);
+  check_tensor_of("a_t", a_t, 2, at::kFloat8_e4m3fn);
+  check_tensor_of("d_t", d_t, 2, at::kFloat8_e4m3fn);
+  check_offs(offs);
+  check_same_device("a_t", a_t, "d_t", d_t);
+  check_same_device("a_t", a_t, "a_scale", a_scale);
+  check_same_device("a_t", a_t, "d_scale", d_scale);
+  check_same_device("a_t", a_t, "offs", offs);
+  const c10::SymInt &m = a_t.sym_size(1);
+  CM_CHECK_VALUE(m == d_t.sym_size(1), "a_t is (K, M) = ", shape_str(a_t.sym_sizes()), " but d_t is (N, M) = ",
+                 shape_str(d_t.sym_sizes()), "; M must match");
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"a_t", &a_t}, {"d_t", &d_t}})
+    CM_CHECK_VALUE(t->stride(1) == 1, name, " must be columnwise data of grouped_quantize (", name,
+                   ".stride(1) == 1)");
+  // reference.fp8_column_slots: every group's column blocks, plus the rows past the last group.
+  const int64_t rows = recipe == kRecipes[1] ? 128 : recipe == kRecipes[2] ? 32 : 0;
+  const c10::SymInt slots = rows == 0 ? offs.sym_size(0) + 1 : (m + rows - 1) / rows + offs.sym_size(0);
+  check_scale("a_scale", a_scale, {a_t.sym_size(0), slots}, recipe);
+  check_scale("d_scale", d_scale, {d_t.sym_size(0), slots}, recipe);
+  CM_CHECK_TYPE(!out_dtype || *out_dtype == at::kBFloat16 || *out_dtype == at::kHalf || *out_dtype == at::kFloat,
+                "out_dtype must be one of (torch.bfloat16, torch.float16, torch.float32) or None, got ",
+                out_dtype ? dtype_name(*out_dtype) : "None");
+}
+
 // compiled_moe/ops/fp8.py's _check_activation_quantize.
 void check_moe_activation_quantize(const at::Tensor& h, const at::Tensor& offs, const std::string& activation,
                                    const std::string& gate_up_layout, const std::string& recipe,
@@ -429,6 +457,111 @@ at::Tensor scaled_grouped_mm_cuda(const at::Tensor& a, const at::Tensor& b, cons
   return out;
 }
 
+// ------------------------------------------------------------------------------ scaled_grouped_mm_wgrad
+
+// kernels/scaled_grouped_mm_sm90.py's WgradPlan, read once per shape.
+struct Fp8WgradPlan {
+  CUfunction function, claimed, tile_order;
+  unsigned grid, shared_bytes;
+  int num_stages, tiles_per_group, claim_steps;
+};
+
+Fp8WgradPlan read_fp8_wgrad_plan(const pybind11::handle& p) {
+  auto t = p.cast<pybind11::tuple>();
+  auto i = [&t](int k) { return t[k].cast<int64_t>(); };
+  return {reinterpret_cast<CUfunction>(i(0)), reinterpret_cast<CUfunction>(i(1)), reinterpret_cast<CUfunction>(i(2)),
+          static_cast<unsigned>(i(3)), static_cast<unsigned>(i(4)), static_cast<int>(i(5)), static_cast<int>(i(6)),
+          static_cast<int>(i(7))};
+}
+
+pybind11::object& wgrad_plan() {  // kernels/scaled_grouped_mm_sm90.py's host_wgrad_plan
+  static pybind11::object* fn = new pybind11::object();
+  return *fn;
+}
+pybind11::object& wgrad_unaligned_groups() {  // the Triton kernel for groups off 16-row starts
+  static pybind11::object* fn = new pybind11::object();
+  return *fn;
+}
+pybind11::object& wgrad_python_kernel() {  // scaled_grouped_mm_wgrad's Python kernel
+  static pybind11::object* fn = new pybind11::object();
+  return *fn;
+}
+
+}  // namespace
+
+template <>
+Fp8WgradPlan PlanCache<Fp8WgradPlan>::read(const pybind11::handle& p) { return read_fp8_wgrad_plan(p); }
+
+// out[g] (P, Q) = a_g^T @ d_g from columnwise e4m3 data a_t (P, M), d_t (Q, M) and their
+// scales: the maps and launches of kernels/scaled_grouped_mm_sm90.py's scaled_grouped_mm_wgrad
+// (wgrad_tile_order, then the kernel and its _claimed twin, of which the one not chosen
+// returns at once). The caller checked that the kernel applies (the plan's conditions, P, Q,
+// G > 0, aligned addresses); out (G, P, Q) contiguous.
+void launch_fp8_wgrad_sm90(const at::Tensor& a_t, const at::Tensor& d_t, const at::Tensor& a_scale,
+                           const at::Tensor& d_scale, const at::Tensor& offs, bool rowwise_recipe, const at::Tensor& out,
+                           const Fp8WgradPlan& plan) {
+  const int64_t P = a_t.size(0), M = a_t.size(1), Q = d_t.size(0), G = out.size(0);
+  const int device = a_t.device().index();
+  ensure_context(device);
+  const uint64_t m_extent = std::max<int64_t>(M, 1);  // a tensor map needs a nonzero extent; M = 0 loads nothing
+  CUtensorMap a_map = map2d(reinterpret_cast<uint64_t>(a_t.data_ptr()), m_extent, P, a_t.stride(0), 128, 128);
+  CUtensorMap d_map = map2d(reinterpret_cast<uint64_t>(d_t.data_ptr()), m_extent, Q, d_t.stride(0), 128, 128);
+  const int64_t es = out.element_size();
+  CUtensorMap out_map = tensor_map({reinterpret_cast<uint64_t>(out.data_ptr()), {uint64_t(Q), uint64_t(P), uint64_t(G)},
+                                    {uint64_t(out.stride(1) * es), uint64_t(out.stride(0) * es)},
+                                    {uint32_t(128 / es), 64, 1}, 3, out_map_type(out.scalar_type())});
+  at::Tensor order = at::empty({2}, a_t.options().dtype(at::kInt));  // the choice, the claims' counter
+  at::Tensor maps = at::empty({G * 2 * 128}, a_t.options().dtype(at::kByte));
+  const at::Tensor offs_c = offs.contiguous();
+  void *offs_p = offs_c.data_ptr(), *order_p = order.data_ptr(), *maps_p = maps.data_ptr(),
+       *a_scale_p = a_scale.data_ptr(), *d_scale_p = d_scale.data_ptr();
+  int32_t m = static_cast<int32_t>(M), p = static_cast<int32_t>(P), q = static_cast<int32_t>(Q),
+          g = static_cast<int32_t>(G), tiles = plan.tiles_per_group, rows_per_step = 128,
+          claim_steps = plan.claim_steps, grid = static_cast<int32_t>(plan.grid), row_dim = 0,
+          kind = out_kind(out.scalar_type()), stages = plan.num_stages, rowwise = rowwise_recipe,
+          a_scale_1 = static_cast<int32_t>(a_scale.stride(1)), d_scale_1 = static_cast<int32_t>(d_scale.stride(1));
+  int64_t a_scale_0 = a_scale.stride(0), d_scale_0 = d_scale.stride(0);
+  void* order_args[] = {&offs_p, &m, &g, &tiles, &rows_per_step, &claim_steps, &grid, &order_p, &a_map, &d_map,
+                        &maps_p, &row_dim};
+  launch(device, plan.tile_order, 1, 256, kOrderScratchBytes, order_args);
+  void* args[] = {&a_map, &d_map, &out_map, &a_scale_p, &a_scale_0, &a_scale_1, &d_scale_p, &d_scale_0, &d_scale_1,
+                  &kind,  &offs_p, &m,     &p,         &q,         &g,         &stages, &rowwise, &maps_p, &order_p};
+  launch(device, plan.function, plan.grid, kHopperThreads, plan.shared_bytes, args);
+  launch(device, plan.claimed, plan.grid, kHopperThreads, plan.shared_bytes, args);
+}
+
+namespace {
+
+// torch.ops.compiled_moe.scaled_grouped_mm_wgrad's CUDA kernel: the Hopper kernel computes
+// every group when each starts on a 16-row boundary (TMA's rule) and nothing otherwise; the
+// Triton kernel launched after it (from Python) tests the same on the device and does the
+// opposite, so the host never needs to know which it is (ops/fp8.py's
+// _run_fp8_grouped_mm_wgrad_sm90).
+at::Tensor scaled_grouped_mm_wgrad_cuda(const at::Tensor& a_t, const at::Tensor& d_t, const at::Tensor& a_scale,
+                                        const at::Tensor& d_scale, const at::Tensor& offs, const std::string& recipe,
+                                        std::optional<c10::ScalarType> out_dtype) {
+  check_scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype);
+  c10::DeviceGuard guard(a_t.device());
+  const c10::ScalarType out_type = out_dtype.value_or(at::kBFloat16);
+  std::optional<Fp8WgradPlan> plan;
+  if (recipe != kRecipes[2]) {
+    static PlanCache<Fp8WgradPlan> plans;
+    const ShapeKey key{{a_t.size(0), d_t.size(0), a_t.size(1), offs.size(0), a_t.stride(0), d_t.stride(0),
+                        static_cast<int64_t>(out_type), recipe == kRecipes[0], a_t.device().index(),
+                        fp8_triton_forced(), 0, 0, 0}};
+    plan = plans.get(key, [&] { return wgrad_plan()(a_t, d_t, recipe, out_type, offs.size(0)); });
+  }
+  at::Tensor out = at::empty({offs.size(0), a_t.size(0), d_t.size(0)}, a_t.options().dtype(out_type));
+  if (!plan || !tma_aligned({&a_t, &d_t, &out}) || a_t.size(1) == 0) {
+    pybind11::gil_scoped_acquire gil;
+    return wgrad_python_kernel()(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype).cast<at::Tensor>();
+  }
+  launch_fp8_wgrad_sm90(a_t, d_t, a_scale, d_scale, offs, recipe == kRecipes[0], out, *plan);
+  pybind11::gil_scoped_acquire gil;
+  wgrad_unaligned_groups()(a_t, d_t, a_scale, d_scale, offs, recipe, out);
+  return out;
+}
+
 torch::Library& library() {
   static auto* lib = new torch::Library(torch::Library::IMPL, "compiled_moe", std::nullopt, __FILE__, __LINE__);
   return *lib;
@@ -750,6 +883,25 @@ std::vector<std::string> register_scaled_grouped_mm(pybind11::object plan, pybin
 #endif
 }
 
+// compiled_moe::scaled_grouped_mm_wgrad's CUDA kernel: plan(a_t, d_t, recipe, out_dtype,
+// num_groups) gives the Hopper kernel's plan (fp8_blockwise, fp8_rowwise), or None;
+// unaligned_groups(a_t, d_t, a_scale, d_scale, offs, recipe, out) launches the Triton kernel for
+// groups off 16-row starts after it; python_kernel(a_t, d_t, a_scale, d_scale, offs, recipe,
+// out_dtype) serves the rest. Returns the dispatch keys registered.
+std::vector<std::string> register_scaled_grouped_mm_wgrad(pybind11::object plan, pybind11::object unaligned_groups,
+                                                          pybind11::object python_kernel_fn) {
+#ifdef COMPILED_MOE_CUDA
+  wgrad_plan() = std::move(plan);
+  wgrad_unaligned_groups() = std::move(unaligned_groups);
+  wgrad_python_kernel() = std::move(python_kernel_fn);
+  library().impl("scaled_grouped_mm_wgrad",
+                 torch::dispatch(c10::DispatchKey::CUDA, TORCH_FN(scaled_grouped_mm_wgrad_cuda)));
+  return {"CUDA"};
+#else
+  return {};
+#endif
+}
+
 // compiled_moe::moe_activation_quantize's CUDA kernel: plan(h, offs, activation) gives the
 // activate_quantize kernel's plan (fp8_blockwise both ways), or None; python_kernel(h, offs,
 // activation, gate_up_layout, recipe, probs, rowwise, columnwise, alpha, limit) serves the rest.
@@ -770,10 +922,12 @@ void bind_fp8(pybind11::module_& m) {
   m.def("register_grouped_quantize", &register_grouped_quantize);
   m.def("register_scaled_grouped_mm", &register_scaled_grouped_mm);
   m.def("register_moe_activation_quantize", &register_moe_activation_quantize);
+  m.def("register_scaled_grouped_mm_wgrad", &register_scaled_grouped_mm_wgrad);
   // The checks alone (the CUDA kernels make them), for tests on any machine.
   m.def("check_grouped_quantize", &check_grouped_quantize);
   m.def("check_scaled_grouped_mm", &check_scaled_grouped_mm);
   m.def("check_moe_activation_quantize", &check_moe_activation_quantize);
+  m.def("check_scaled_grouped_mm_wgrad", &check_scaled_grouped_mm_wgrad);
   m.def("check_weight_fp8", &check_weight_fp8);
   m.def("fp8_grouped_mm", &fp8_grouped_mm);
   m.def("fp8_activation_grouped_mm", &fp8_activation_grouped_mm);
@@ -784,6 +938,12 @@ void bind_fp8(pybind11::module_& m) {
            const at::Tensor& offs, const std::optional<at::Tensor>& bias, const at::Tensor& out,
            pybind11::handle plan) {
           launch_fp8_blockwise_sm90(a, b, a_scale, b_scale, offs, bias, out, read_fp8_plan(plan));
+        });
+  // and its weight-gradient launcher (plan: its WgradPlan).
+  m.def("launch_fp8_wgrad_sm90",
+        [](const at::Tensor& a_t, const at::Tensor& d_t, const at::Tensor& a_scale, const at::Tensor& d_scale,
+           const at::Tensor& offs, bool rowwise_recipe, const at::Tensor& out, pybind11::handle plan) {
+          launch_fp8_wgrad_sm90(a_t, d_t, a_scale, d_scale, offs, rowwise_recipe, out, read_fp8_wgrad_plan(plan));
         });
 #endif
 }

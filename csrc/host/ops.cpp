@@ -224,7 +224,6 @@ void grouped_mm_wgrad_accumulate_autograd(const at::Tensor& main_grad, const at:
 #ifdef COMPILED_MOE_CUDA
 // ------------------------------------------------------------------------------ Hopper launch
 
-constexpr unsigned kOrderScratchBytes = 8 * ((256 + 2) / 2 + 2 * 32 + 1);  // csrc/sm90.cuh's ORDER_SCRATCH
 
 // kernels/grouped_mm_sm90.py's ForwardPlan, read once per shape.
 struct ForwardPlan {
