@@ -1,14 +1,16 @@
 // The C++ host layer's FP8 ops, from the dispatcher to the driver without Python: checks with
 // the Python messages (compiled_moe/ops/fp8.py), the device guard, outputs in the Python
-// layouts, and the launch of the CUDA kernels whose plans Python gives once per shape.
+// layouts, and the launch of the CUDA kernels whose plans Python gives once per shape; every
+// other call (other recipes, 3-D weights, float64, operands the kernels do not take) goes to
+// the op's Python kernel.
 //
-// grouped_quantize: the FP8 step's activation quantizations, 2-D x to fp8_blockwise, with
-// columnwise output (and rowwise in the same launch: a training step's) or rowwise only (the
-// forward's), csrc/grouped_quantize.cu's kernels (plans: kernels/quantize_cuda.py's host_plan,
-// per shape, and host_rows_plan, per dtype). scaled_grouped_mm: fp8_blockwise on Hopper,
-// csrc/fp8_grouped_mm.cu's forward kernel (plan: kernels/scaled_grouped_mm_sm90.py's
-// host_plan). Every other call (3-D weights, other recipes, float64, operands the kernels do
-// not take) goes to the op's Python kernel.
+// grouped_quantize (2-D x, fp8_blockwise: columnwise, with rowwise in the same launch, or
+// rowwise only) and moe_activation_quantize (both ways, from FC1's output in one pass):
+// csrc/grouped_quantize.cu's kernels, plans from kernels/quantize_cuda.py. scaled_grouped_mm
+// (fp8_blockwise) and scaled_grouped_mm_wgrad (fp8_blockwise, fp8_rowwise) on Hopper:
+// csrc/fp8_grouped_mm.cu's kernels, plans from kernels/scaled_grouped_mm_sm90.py. Then the
+// autograd functions of compiled_moe.fp8_grouped_mm and fp8_activation_grouped_mm, composed of
+// those ops through the dispatcher.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/autograd.h>
@@ -70,6 +72,24 @@ void check_scale(const char* name, const at::Tensor& scale, c10::SymIntArrayRef 
 // Scales of `cols` columns in blocks of `block` (0: the whole row): ops/fp8.py's _blocks.
 c10::SymInt blocks(const c10::SymInt& cols, int64_t block) { return block == 0 ? c10::SymInt(1) : (cols + block - 1) / block; }
 
+// reference.fp8_block: the columns of a row's scale block (0: the whole row), and the rows of a
+// weight's (128 x 128 for fp8_blockwise, one row for the others).
+int64_t block_columns(const std::string& recipe) { return recipe == kRecipes[1] ? 128 : recipe == kRecipes[2] ? 32 : 0; }
+int64_t weight_block_rows(const std::string& recipe) { return recipe == kRecipes[1] ? 128 : 1; }
+
+// reference.fp8_column_slots: 2-D data's columnwise scale slots, every group's column blocks
+// (of reference.fp8_column_block rows; 0: the whole group) plus the rows past the last group.
+c10::SymInt column_slots(const c10::SymInt& rows, const c10::SymInt& groups, const std::string& recipe) {
+  const int64_t block = recipe == kRecipes[1] ? 128 : recipe == kRecipes[2] ? 32 : 0;
+  return block == 0 ? groups + 1 : (rows + block - 1) / block + groups;
+}
+
+void check_fp8_out_dtype(std::optional<c10::ScalarType> out_dtype) {  // ops/fp8.py's _check_out
+  CM_CHECK_TYPE(!out_dtype || *out_dtype == at::kBFloat16 || *out_dtype == at::kHalf || *out_dtype == at::kFloat,
+                "out_dtype must be one of (torch.bfloat16, torch.float16, torch.float32) or None, got ",
+                out_dtype ? dtype_name(*out_dtype) : "None");
+}
+
 }  // namespace
 
 // compiled_moe/ops/fp8.py's _check_quantize.
@@ -111,14 +131,10 @@ void check_scaled_grouped_mm_wgrad(const at::Tensor& a_t, const at::Tensor& d_t,
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"a_t", &a_t}, {"d_t", &d_t}})
     CM_CHECK_VALUE(t->stride(1) == 1, name, " must be columnwise data of grouped_quantize (", name,
                    ".stride(1) == 1)");
-  // reference.fp8_column_slots: every group's column blocks, plus the rows past the last group.
-  const int64_t rows = recipe == kRecipes[1] ? 128 : recipe == kRecipes[2] ? 32 : 0;
-  const c10::SymInt slots = rows == 0 ? offs.sym_size(0) + 1 : (m + rows - 1) / rows + offs.sym_size(0);
+  const c10::SymInt slots = column_slots(m, offs.sym_size(0), recipe);
   check_scale("a_scale", a_scale, {a_t.sym_size(0), slots}, recipe);
   check_scale("d_scale", d_scale, {d_t.sym_size(0), slots}, recipe);
-  CM_CHECK_TYPE(!out_dtype || *out_dtype == at::kBFloat16 || *out_dtype == at::kHalf || *out_dtype == at::kFloat,
-                "out_dtype must be one of (torch.bfloat16, torch.float16, torch.float32) or None, got ",
-                out_dtype ? dtype_name(*out_dtype) : "None");
+  check_fp8_out_dtype(out_dtype);
 }
 
 // compiled_moe/ops/fp8.py's _check_activation_quantize.
@@ -165,14 +181,10 @@ void check_scaled_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at:
   CM_CHECK_VALUE(a.stride(1) == 1, "a must be row-major (a.stride(1) == 1): FP8 tensor cores read it K-major");
   CM_CHECK_VALUE(b.stride(1) == 1, "b must be K-major (b.stride(1) == 1): pass the rowwise data of a (G, N, K) weight "
                                    "as data.transpose(-2, -1)");
-  // reference.fp8_block: (rows, columns) of a scale's block, the weight's and the activation's.
-  const int64_t weight_rows = recipe == kRecipes[1] ? 128 : 1;
-  const int64_t columns = recipe == kRecipes[1] ? 128 : recipe == kRecipes[2] ? 32 : 0;
+  const int64_t rows = weight_block_rows(recipe), columns = block_columns(recipe);
   check_scale("a_scale", a_scale, {m, blocks(k, columns)}, recipe);
-  check_scale("b_scale", b_scale, {g, (n + weight_rows - 1) / weight_rows, blocks(k, columns)}, recipe);
-  CM_CHECK_TYPE(!out_dtype || *out_dtype == at::kBFloat16 || *out_dtype == at::kHalf || *out_dtype == at::kFloat,
-                "out_dtype must be one of (torch.bfloat16, torch.float16, torch.float32) or None, got ",
-                out_dtype ? dtype_name(*out_dtype) : "None");
+  check_scale("b_scale", b_scale, {g, (n + rows - 1) / rows, blocks(k, columns)}, recipe);
+  check_fp8_out_dtype(out_dtype);
 }
 
 #ifdef COMPILED_MOE_CUDA
@@ -795,8 +807,7 @@ class Fp8ActivationGroupedMmFunction : public torch::autograd::Function<Fp8Activ
 // compiled_moe/fp8.py's _check_weight_fp8, past its check that weight_fp8 is a tuple of 4.
 void check_weight_fp8(at::TensorList weight_fp8, const at::Tensor& b, const std::string& recipe) {
   const c10::SymInt &g = b.sym_size(0), &k = b.sym_size(1), &n = b.sym_size(2);  // b.mT is (G, N, K)
-  const int64_t rows = recipe == kRecipes[1] ? 128 : 1;
-  const int64_t columns = recipe == kRecipes[1] ? 128 : recipe == kRecipes[2] ? 32 : 0;
+  const int64_t rows = weight_block_rows(recipe), columns = block_columns(recipe);
   const std::array<std::vector<c10::SymInt>, 4> shapes = {
       std::vector<c10::SymInt>{g, n, k}, std::vector<c10::SymInt>{g, (n + rows - 1) / rows, blocks(k, columns)},
       std::vector<c10::SymInt>{g, k, n}, std::vector<c10::SymInt>{g, (k + rows - 1) / rows, blocks(n, columns)}};
