@@ -74,7 +74,7 @@ def test_wgrad_accumulate_on_other_gpu():
     _assert_same_on_both_gpus(make, step)
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("fused", [None, True, False])  # None: 2048 pairs, the one-call C++ block
 def test_moe_experts_on_other_gpu(fused):
     T, H, I, E, k = 512, 512, 256, 16, 4
 
