@@ -9,6 +9,13 @@
 
 namespace compiled_moe {
 
+// One of the package's ops (compiled_moe::<name>) as C++ calls it through the dispatcher: what
+// the C++ autograd functions compose (keep the handle in a function-local static).
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> package_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
 // rows.cpp: registers the CUDA kernel of compiled_moe::<op> (moe_permute, moe_unpermute,
 // moe_unpermute_backward, moe_activation, moe_activation_backward, grouped_sum);
 // python_kernel(*args) serves the calls its kernels do not take. Returns the dispatch keys

@@ -129,34 +129,36 @@ void check_moe_route(const at::Tensor& topk_ids, int64_t num_experts, int64_t pa
 const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                           const std::optional<at::Tensor>&, std::optional<c10::ScalarType>)>&
 grouped_mm_op() {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("compiled_moe::grouped_mm", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const std::optional<at::Tensor>&, std::optional<c10::ScalarType>)>();
+  static auto op = package_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const std::optional<at::Tensor>&, std::optional<c10::ScalarType>)>(
+      "compiled_moe::grouped_mm");
   return op;
 }
 
 at::Tensor grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& grad_out, const at::Tensor& offs,
                             std::optional<c10::ScalarType> out_dtype) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("compiled_moe::grouped_mm_wgrad", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         std::optional<c10::ScalarType>)>();
+  static auto op = package_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         std::optional<c10::ScalarType>)>("compiled_moe::grouped_mm_wgrad");
   return op.call(a, grad_out, offs, out_dtype);
 }
 
 at::Tensor grouped_sum(const at::Tensor& x, const at::Tensor& offs, std::optional<c10::ScalarType> out_dtype) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("compiled_moe::grouped_sum", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, std::optional<c10::ScalarType>)>();
+  static auto op = package_op<at::Tensor(const at::Tensor&, const at::Tensor&, std::optional<c10::ScalarType>)>(
+      "compiled_moe::grouped_sum");
   return op.call(x, offs, out_dtype);
+}
+
+bool is_transposed_weight(const at::Tensor& b) { return b.stride(1) == 1 && b.stride(2) != 1; }
+
+// grad (G, P, Q) of a weight w of that shape from d_g^T @ a_g, in w's own storage order.
+at::Tensor weight_grad(const at::Tensor& d, const at::Tensor& a, const at::Tensor& offs, const at::Tensor& w) {
+  return is_transposed_weight(w) ? grouped_mm_wgrad(a, d, offs, w.scalar_type()).mT()
+                                 : grouped_mm_wgrad(d, a, offs, w.scalar_type());
 }
 
 // ------------------------------------------------------------------------------ autograd
 // compiled_moe/ops/grouped_mm.py's formula: dgrad is the same op on b's transpose (no copy),
 // the weight gradient is written in the weight's own storage order, dbias a grouped sum.
-
-bool is_transposed_weight(const at::Tensor& b) { return b.stride(1) == 1 && b.stride(2) != 1; }
 
 class GroupedMmFunction : public torch::autograd::Function<GroupedMmFunction> {
  public:
@@ -183,10 +185,7 @@ class GroupedMmFunction : public torch::autograd::Function<GroupedMmFunction> {
     at::Tensor grad = grads[0].to(a.scalar_type());
     at::Tensor grad_a, grad_b, grad_bias;
     if (ctx->needs_input_grad(0)) grad_a = grouped_mm_op().call(grad, b.mT(), offs, std::nullopt, std::nullopt);
-    if (ctx->needs_input_grad(1)) {
-      grad_b = is_transposed_weight(b) ? grouped_mm_wgrad(grad, a, offs, b.scalar_type()).mT()
-                                       : grouped_mm_wgrad(a, grad, offs, b.scalar_type());
-    }
+    if (ctx->needs_input_grad(1)) grad_b = weight_grad(a, grad, offs, b);  // b[g] = a_g^T @ grad_g
     int64_t bias_dtype = ctx->saved_data["bias_dtype"].toInt();
     if (bias_dtype < 0) return {grad_a, grad_b, at::Tensor(), at::Tensor()};
     if (ctx->needs_input_grad(3)) grad_bias = grouped_sum(grad, offs, static_cast<c10::ScalarType>(bias_dtype));
@@ -210,10 +209,8 @@ at::Tensor grouped_mm_autograd(const at::Tensor& a, const at::Tensor& b, const a
 void grouped_mm_wgrad_accumulate_autograd(const at::Tensor& main_grad, const at::Tensor& a,
                                           const at::Tensor& grad_out, const at::Tensor& offs,
                                           const std::optional<at::Tensor>& accumulate_mask) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("compiled_moe::grouped_mm_wgrad_accumulate_", "")
-                       .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                   const std::optional<at::Tensor>&)>();
+  static auto op = package_op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const std::optional<at::Tensor>&)>("compiled_moe::grouped_mm_wgrad_accumulate_");
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     op.call(main_grad, a, grad_out, offs, accumulate_mask);
@@ -518,11 +515,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& 
 // output y where the routing weights need a gradient) and recomputes the gathered rows and the
 // activation, as the fused MLP does.
 
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> package_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_moe_route(const at::Tensor& ids, int64_t experts) {
   static auto op =
       package_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, int64_t, int64_t)>(
@@ -571,12 +563,6 @@ at::Tensor call_moe_activation_backward(const at::Tensor& grad, const at::Tensor
   static auto op = package_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::string&, const std::string&,
                                          double, double)>("compiled_moe::moe_activation_backward");
   return op.call(grad, h, act.name, act.layout, act.alpha, act.limit);
-}
-
-// grad (G, P, Q) of a weight w of that shape from d_g^T @ a_g, in w's own storage order.
-at::Tensor weight_grad(const at::Tensor& d, const at::Tensor& a, const at::Tensor& offs, const at::Tensor& w) {
-  return is_transposed_weight(w) ? grouped_mm_wgrad(a, d, offs, w.scalar_type()).mT()
-                                 : grouped_mm_wgrad(d, a, offs, w.scalar_type());
 }
 
 struct BlockForward {
