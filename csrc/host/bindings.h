@@ -16,6 +16,10 @@ c10::TypedOperatorHandle<Signature> package_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
+// b (G, K, N) is the transposed view of a (G, N, K) weight: its gradient is written in that
+// weight's storage order.
+inline bool is_transposed_weight(const at::Tensor& b) { return b.stride(1) == 1 && b.stride(2) != 1; }
+
 // rows.cpp: registers the CUDA kernel of compiled_moe::<op> (moe_permute, moe_unpermute,
 // moe_unpermute_backward, moe_activation, moe_activation_backward, grouped_sum);
 // python_kernel(*args) serves the calls its kernels do not take. Returns the dispatch keys

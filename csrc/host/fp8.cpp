@@ -590,11 +590,6 @@ torch::Library& library() {
 
 namespace {
 
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> package_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x,
                                                                     const std::optional<at::Tensor>& offs,
                                                                     const std::string& recipe, bool rowwise,
@@ -653,8 +648,6 @@ at::Tensor activation_backward(const at::Tensor& grad, const at::Tensor& h, cons
                                          double, double)>("compiled_moe::moe_activation_backward");
   return op.call(grad, h, activation, layout, alpha, limit);
 }
-
-bool is_transposed_weight(const at::Tensor& b) { return b.stride(1) == 1 && b.stride(2) != 1; }
 
 std::optional<at::Tensor> first(at::TensorList list) {  // an optional tensor passed as a list of 0 or 1
   return list.empty() ? std::nullopt : std::optional<at::Tensor>(list[0]);

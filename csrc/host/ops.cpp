@@ -148,8 +148,6 @@ at::Tensor grouped_sum(const at::Tensor& x, const at::Tensor& offs, std::optiona
   return op.call(x, offs, out_dtype);
 }
 
-bool is_transposed_weight(const at::Tensor& b) { return b.stride(1) == 1 && b.stride(2) != 1; }
-
 // grad (G, P, Q) of a weight w of that shape from d_g^T @ a_g, in w's own storage order.
 at::Tensor weight_grad(const at::Tensor& d, const at::Tensor& a, const at::Tensor& offs, const at::Tensor& w) {
   return is_transposed_weight(w) ? grouped_mm_wgrad(a, d, offs, w.scalar_type()).mT()
