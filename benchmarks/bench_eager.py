@@ -68,7 +68,8 @@ def op_rows(device="cuda", calls=300, rounds=9):
     h, dh = torch.randn(256, 256, **bf), torch.randn(256, 128, **bf)
     main_grad = torch.zeros(8, 128, 256, device=device)
     w_fp8 = cm.quantize_weight(w)
-    x_fp8 = torch.ops.compiled_moe.grouped_quantize(x, offs, "fp8_blockwise", True, False)
+    x_fp8 = torch.ops.compiled_moe.grouped_quantize(x, offs, "fp8_blockwise", True, True)
+    dy_fp8 = torch.ops.compiled_moe.grouped_quantize(dy, offs, "fp8_blockwise", False, True)
     ops = torch.ops.compiled_moe
     fns = {
         "torch._grouped_mm": lambda: torch._grouped_mm(x, w.mT, offs),
@@ -89,6 +90,10 @@ def op_rows(device="cuda", calls=300, rounds=9):
         "grouped_quantize both ways": lambda: ops.grouped_quantize(x, offs, "fp8_blockwise", True, True),
         "scaled_grouped_mm": lambda: ops.scaled_grouped_mm(x_fp8[0], w_fp8[0].mT, x_fp8[1], w_fp8[1], offs,
                                                            "fp8_blockwise", None, None),
+        "scaled_grouped_mm_wgrad": lambda: ops.scaled_grouped_mm_wgrad(
+            x_fp8[2], dy_fp8[2], x_fp8[3], dy_fp8[3], offs, "fp8_blockwise", None),
+        "moe_activation_quantize": lambda: ops.moe_activation_quantize(
+            h, offs, "swiglu", "stacked", "fp8_blockwise", None, True, True),
         "fp8_grouped_mm (weight cached)": lambda: cm.fp8_grouped_mm(x, w.mT, offs, weight_fp8=w_fp8),
         "fp8_grouped_mm fwd+bwd (weight cached)": lambda: cm.fp8_grouped_mm(
             xg, wg.mT, offs, weight_fp8=w_fp8).backward(dy),

@@ -79,9 +79,9 @@ class KernelOp:
         self.qualname, self._body = f"compiled_moe::{name}", body
         self.host_keys = frozenset()  # dispatch keys whose kernels the C++ host layer registered
         self.device_types = device_types
-        self._kernel = _launching_triton_directly(body)
+        self._kernel = launching_triton_directly(body)
         self._unchecked = (self._kernel if unchecked is None
-                           else _launching_triton_directly(on_tensor_device(unchecked)))
+                           else launching_triton_directly(on_tensor_device(unchecked)))
         functools.update_wrapper(self, body)
 
     def __call__(self, *args, **kwargs):
@@ -220,7 +220,7 @@ def host_layer():
     return host.module()
 
 
-def _launching_triton_directly(body):
+def launching_triton_directly(body):
     """body with ``wrap_triton`` launching its kernels directly: a device kernel of the
     dispatcher only ever sees real tensors, and wrap_triton's dispatch through its higher-order
     op costs host time (torch's triton_op does the same)."""

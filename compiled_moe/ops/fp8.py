@@ -31,6 +31,7 @@ from compiled_moe.ops._dispatch import (
     check_same_device,
     check_tensor,
     kernel_op,
+    launching_triton_directly,
     on_tensor_device,
     use_kernel,
 )
@@ -469,6 +470,7 @@ def _register_host_scaled_wgrad(module) -> list[str]:
     if not (module.has_cuda and native.available()):
         return []
 
+    @launching_triton_directly
     def unaligned_groups(a_t, d_t, a_scale, d_scale, offs, recipe, out):
         _kernels()[1].scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out,
                                               only_unaligned=True)
