@@ -24,7 +24,7 @@ def num(s):
     return float(m.group(0)) if m else None
 
 def ratio_in(s):
-    m = re.search(r'\(([0-9.]+)x\)', s.replace('**', ''))
+    m = re.search(r'\(([0-9.]+)x[;)]', s.replace('**', ''))
     return float(m.group(1)) if m else None
 
 out = {"_source": "Transcribed from benchmarks/RESULTS.md's current tables (NVIDIA H200, torch 2.11.0+cu130, "
@@ -89,7 +89,7 @@ out["experts_block_memory"] = {"section": "The fused expert MLP (memory and kern
 # eager host time
 hdr, rows = table_after('| eager call (us of host time) | this build')
 out["eager_host_time"] = {"section": "Eager calls: host time per op", "date": "2026-11-29",
-    "command": "python benchmarks/bench_eager.py --tables ops block generate --json eager.json",
+    "command": "python benchmarks/bench_eager.py --tables ops --json eager.json",
     "unit": "us of host time per call", "peer": "torch._grouped_mm (its row; ratios against it)",
     "cases": [{"call": r[0].replace('`', ''), "host_us": num(r[1]), "vs_torch": ratio_in(r[1])} for r in rows]}
 hdr, rows = table_after('| T | forward: ours / HF (us)')
@@ -108,6 +108,14 @@ out["generate"] = {"section": "Eager calls: Hugging Face generate()", "date": "2
     "unit": "tokens/s", "peer": "Hugging Face grouped_mm backend (batched_mm while decoding)",
     "cases": [{"run": r[0], "compiled_moe": num(r[1]), "hf_grouped_mm": num(r[2]), "hf_eager": num(r[4])}
               for r in rows]}
+hdr, rows = table_after('| model | bf16 wall (GPU) | fp8 wall (GPU)')
+def wall_gpu(s):
+    a, b = s.split('('); return {"wall_ms": num(a), "gpu_ms": num(b.rstrip(')'))}
+out["eager_fp8_block"] = {"section": "Eager calls: the eager FP8 experts block, forward+backward", "date": "2026-11-29",
+    "command": "python benchmarks/bench_eager.py --tables fp8", "recipe": "fp8_blockwise", "tokens": 4096,
+    "peer": "our bf16 experts block, eager (ratios: bf16 / fp8)",
+    "cases": [{"model": r[0], "bf16": wall_gpu(r[1]), "fp8": wall_gpu(r[2]), "bf16_over_fp8": num(r[3]),
+               "fp8_cached": wall_gpu(r[4]), "bf16_over_fp8_cached": num(r[5])} for r in rows]}
 hdr, rows = table_after('| model | FP8 moe_mlp, graph ms')
 out["fp8_mlp_step"] = {"section": "FP8: the FP8 MLP's training step", "date": "2026-11-27",
     "command": "python benchmarks/bench_activation_quantize.py --rounds 3",
