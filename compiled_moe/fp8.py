@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from compiled_moe.ops._dispatch import (call_op, check_tensor, host_layer, is_real_tensor,
+from compiled_moe.ops._dispatch import (check_tensor, host_layer, is_real_tensor,
                                         is_transposed_weight)
 from compiled_moe.ops.activations import activation_constants
 from compiled_moe.reference import (
@@ -27,9 +27,11 @@ from compiled_moe.reference import (
     check_recipe,
 )
 
+_ops = torch.ops.compiled_moe
+
 
 def _quantize(x, offs, recipe, rowwise, columnwise):
-    return call_op("grouped_quantize", x, offs, recipe, rowwise, columnwise)
+    return _ops.grouped_quantize(x, offs, recipe, rowwise, columnwise)
 
 
 def quantize_weight(w: Tensor, recipe: str = "fp8_blockwise") -> tuple[Tensor, ...]:
@@ -97,7 +99,7 @@ class _FP8GroupedMM(torch.autograd.Function):
         if weight_fp8 is None:
             weight_fp8 = _quantize(b.mT, None, recipe, True, need_a)
         w_q, w_s, w_col, w_col_s = weight_fp8
-        out = call_op("scaled_grouped_mm", a_q, w_q.mT, a_s, w_s, offs, recipe, a.dtype, bias)
+        out = _ops.scaled_grouped_mm(a_q, w_q.mT, a_s, w_s, offs, recipe, a.dtype, bias)
         ctx.save_for_backward(a_col, a_col_s, w_col, w_col_s, offs)
         _save_weight_args(ctx, a, b, bias, recipe)
         return out
@@ -124,16 +126,16 @@ def _backward(ctx, grad, a_col, a_col_s, w_col, w_col_s, offs, need_a, need_b, n
     grad_a = grad_b = grad_bias = None
     if need_a:
         # dgrad: grad (M, N) @ W (N, K); w_col (G, K, N) is W's columnwise data.
-        grad_a = call_op("scaled_grouped_mm", g_q, w_col.mT, g_s, w_col_s, offs, ctx.recipe,
-                         ctx.a_dtype)
+        grad_a = _ops.scaled_grouped_mm(g_q, w_col.mT, g_s, w_col_s, offs, ctx.recipe,
+                                        ctx.a_dtype)
     if need_b and ctx.b_transposed:  # (G, N, K), the weight's own storage order
-        grad_b = call_op("scaled_grouped_mm_wgrad", g_col, a_col, g_col_s, a_col_s, offs,
-                         ctx.recipe, ctx.b_dtype).mT
+        grad_b = _ops.scaled_grouped_mm_wgrad(g_col, a_col, g_col_s, a_col_s, offs,
+                                              ctx.recipe, ctx.b_dtype).mT
     elif need_b:
-        grad_b = call_op("scaled_grouped_mm_wgrad", a_col, g_col, a_col_s, g_col_s, offs,
-                         ctx.recipe, ctx.b_dtype)
+        grad_b = _ops.scaled_grouped_mm_wgrad(a_col, g_col, a_col_s, g_col_s, offs,
+                                              ctx.recipe, ctx.b_dtype)
     if ctx.bias_dtype is not None and need_bias:  # from the unquantized grad
-        grad_bias = call_op("grouped_sum", grad, offs, out_dtype=ctx.bias_dtype)
+        grad_bias = _ops.grouped_sum(grad, offs, out_dtype=ctx.bias_dtype)
     return grad_a, grad_b, grad_bias
 
 
@@ -146,14 +148,13 @@ class _FP8ActivationGroupedMM(torch.autograd.Function):
     def forward(ctx, h, b, offs, probs, bias, recipe, weight_fp8, activation, gate_up_layout,
                 constants):
         need_b = ctx.needs_input_grad[1]
-        a_q, a_s, a_col, a_col_s = call_op("moe_activation_quantize", h, offs, activation,
-                                           gate_up_layout, recipe, probs, True, need_b,
-                                           **constants)
+        a_q, a_s, a_col, a_col_s = _ops.moe_activation_quantize(
+            h, offs, activation, gate_up_layout, recipe, probs, True, need_b, **constants)
         if weight_fp8 is None:
             weight_fp8 = _quantize(b.mT, None, recipe, True,
                                    ctx.needs_input_grad[0] or ctx.needs_input_grad[3])
         w_q, w_s, w_col, w_col_s = weight_fp8
-        out = call_op("scaled_grouped_mm", a_q, w_q.mT, a_s, w_s, offs, recipe, h.dtype, bias)
+        out = _ops.scaled_grouped_mm(a_q, w_q.mT, a_s, w_s, offs, recipe, h.dtype, bias)
         ctx.save_for_backward(h, probs, a_col, a_col_s, w_col, w_col_s, offs)
         _save_weight_args(ctx, h, b, bias, recipe)
         ctx.activation = (activation, gate_up_layout)
@@ -168,12 +169,12 @@ class _FP8ActivationGroupedMM(torch.autograd.Function):
                                               need_h or need_probs, need_b, need_bias)
         grad_h = grad_probs = None
         if grad_a is not None and probs is not None:  # a = act(h) * probs
-            grad_h, grad_probs = call_op("moe_scaled_activation_backward", grad_a, h, probs,
-                                         *ctx.activation, **ctx.constants)
+            grad_h, grad_probs = _ops.moe_scaled_activation_backward(
+                grad_a, h, probs, *ctx.activation, **ctx.constants)
             grad_probs = grad_probs.to(probs.dtype)
         elif grad_a is not None:
-            grad_h = call_op("moe_activation_backward", grad_a, h, *ctx.activation,
-                             **ctx.constants)
+            grad_h = _ops.moe_activation_backward(grad_a, h, *ctx.activation,
+                                                  **ctx.constants)
         return grad_h, grad_b, None, grad_probs, grad_bias, None, None, None, None, None
 
 

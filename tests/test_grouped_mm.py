@@ -447,65 +447,6 @@ def test_backward_through_an_op_without_a_formula_raises():
         scale.sum().backward()
 
 
-def test_call_op_runs_the_kernel_straight_only_where_the_dispatcher_would(monkeypatch):
-    """call_op (the package's own calls of its ops) runs an op's kernel without the dispatcher
-    on plain tensors, and dispatches the op where a mode, torch.compile or autograd must see
-    it; both give the op's result."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from compiled_moe.ops import _dispatch
-
-    op = _dispatch._KERNEL_OPS["grouped_quantize"]
-    straight = []
-    kernel = op._kernel
-    monkeypatch.setattr(op, "_kernel", lambda *a, **k: straight.append(1) or kernel(*a, **k))
-
-    class Seen(TorchDispatchMode):
-        ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    x = torch.randn(16, 128)
-    offs = torch.tensor([7, 16], dtype=torch.int32)
-    want = torch.ops.compiled_moe.grouped_quantize(x, offs, "fp8_blockwise", True, True)
-    got = _dispatch.call_op("grouped_quantize", x, offs, "fp8_blockwise", True, True)
-    assert len(straight) == 1
-    for g, w in zip(got, want):  # bit for bit (the column scales are not row-major: contiguous())
-        assert torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8))
-    with Seen():
-        _dispatch.call_op("grouped_quantize", x, offs, "fp8_blockwise", True, True)
-    assert "compiled_moe.grouped_quantize.default" in Seen.ops and len(straight) == 1
-    with pytest.raises(RuntimeError, match="not differentiable"):
-        scale = _dispatch.call_op("grouped_quantize", x.requires_grad_(), offs, "fp8_blockwise")[1]
-        scale.sum().backward()
-    assert len(straight) == 1
-
-
-def test_checks_are_skipped_only_for_the_cuda_kernels_ops_called_by_their_checked_callers():
-    """call_op(..., checked=True) skips an op's checks only where the op has a body past them
-    (the CUDA kernels' ops, whose callers made the same checks), with the same parameters as
-    the op; every other op, and every dispatched call, still checks."""
-    import inspect
-
-    from compiled_moe.ops import _dispatch
-
-    with_unchecked = {n for n, op in _dispatch._KERNEL_OPS.items()
-                      if op._unchecked is not op._kernel}
-    assert with_unchecked == NO_AUTOGRAD_OPS - {"moe_route"}
-    for name in with_unchecked:
-        op = _dispatch._KERNEL_OPS[name]
-        body = inspect.signature(op._body).parameters
-        unchecked = inspect.signature(op._unchecked).parameters
-        assert list(body) == list(unchecked), name
-        assert [p.default for p in body.values()] == [p.default for p in unchecked.values()], name
-    bad_offs = torch.tensor([16], dtype=torch.int64)
-    with pytest.raises(TypeError, match="offs must be int32"):
-        _dispatch.call_op("grouped_quantize", torch.randn(16, 128), bad_offs, "fp8_blockwise",
-                          checked=True)
-
-
 # ------------------------------------------------------------------ split K's bound (no GPU)
 
 # (hidden, inter, experts, top_k) of DeepSeek-V3 EP8, Qwen3-30B-A3B, Mixtral-8x7B, GPT-OSS-120B

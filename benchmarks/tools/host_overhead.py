@@ -1,8 +1,7 @@
 """Host time per eager call (CPU timer, no synchronisation): compiled_moe.grouped_mm vs
 torch._grouped_mm on a tiny problem, so the GPU never holds the host back; then the cost of how
 the opaque CUDA ops are registered: the same op bodies as ``kernel_op`` (what the package
-does) against ``torch.library.custom_op``, interleaved rounds in one process; last, a tiny
-moe_mlp training step with the CUDA kernels' ops skipping their callers' checks or not.
+does) against ``torch.library.custom_op``, interleaved rounds in one process.
 
     python benchmarks/tools/host_overhead.py
 """
@@ -37,7 +36,6 @@ def main():
     for name, fn in rows.items():
         print(f"{name:34s} {host_us(fn):7.1f} us/call (host)")
     registration_rows(x, w, offs)
-    repeated_check_rows()
 
 
 def registration_rows(x, w, offs, rounds=15):
@@ -70,44 +68,6 @@ def registration_rows(x, w, offs, rounds=15):
     print(f"\nregistration of the opaque CUDA ops, median of {rounds} interleaved rounds:")
     for name, (median, lo, hi) in interleaved_us(rows, rounds).items():
         print(f"{name:38s} {median:7.1f} us/call (host)  (min {lo:.1f}, max {hi:.1f})")
-
-
-def repeated_check_rows(rounds=15):
-    """A tiny moe_mlp training step (FP8 and bf16) with the CUDA kernels' ops called as now
-    (their checks skipped where the calling op made them: call_op's ``checked``) against
-    making them again (each op's ``_unchecked`` set to its checked kernel), interleaved rounds
-    in one process."""
-    from compiled_moe.ops import _dispatch
-
-    recipe, g, h, i, m = "fp8_blockwise", 8, 256, 128, 512
-    offs = torch.arange(1, g + 1, device="cuda", dtype=torch.int32) * (m // g)
-    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w1 = (torch.randn(g, 2 * i, h, device="cuda") / h ** 0.5).bfloat16().requires_grad_(True)
-    w2 = (torch.randn(g, h, i, device="cuda") / i ** 0.5).bfloat16().requires_grad_(True)
-    probs = torch.rand(m, device="cuda", requires_grad=True)
-    fp8 = dict(fp8_recipe=recipe, fp8_weights=(cm.quantize_weight(w1, recipe),
-                                               cm.quantize_weight(w2, recipe)))
-    dy = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
-    skipping = {name: op._unchecked for name, op in _dispatch._KERNEL_OPS.items()}
-
-    def step(options, skip):
-        def run():
-            for name, op in _dispatch._KERNEL_OPS.items():
-                op._unchecked = skipping[name] if skip else op._kernel
-            y = cm.moe_mlp(x, offs, w1, w2, activation="swiglu", probs=probs, **options)
-            return torch.autograd.grad(y, (x, w1, w2, probs), dy)
-        return run
-
-    rows = {f"{label} moe_mlp step, checks {how}": step(options, how == "skipped")
-            for label, options in (("FP8", fp8), ("bf16", {})) for how in ("skipped", "made")}
-    print(f"\nthe CUDA kernels' ops repeating their callers' checks, median of {rounds} "
-          f"interleaved rounds:")
-    try:
-        for name, (median, lo, hi) in interleaved_us(rows, rounds, calls=40).items():
-            print(f"{name:38s} {median:7.1f} us/call (host)  (min {lo:.1f}, max {hi:.1f})")
-    finally:
-        for name, op in _dispatch._KERNEL_OPS.items():
-            op._unchecked = skipping[name]
 
 
 if __name__ == "__main__":

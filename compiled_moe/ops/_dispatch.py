@@ -75,13 +75,11 @@ _DISPATCH_KEYS = {"cuda": "CUDA", "cpu": "CPU"}
 class KernelOp:
     """An op registered by kernel_op: call it, or register its fake as with custom_op."""
 
-    def __init__(self, name: str, body, device_types=("cuda",), unchecked=None):
+    def __init__(self, name: str, body, device_types=("cuda",)):
         self.qualname, self._body = f"compiled_moe::{name}", body
         self.host_keys = frozenset()  # dispatch keys whose kernels the C++ host layer registered
         self.device_types = device_types
         self._kernel = launching_triton_directly(body)
-        self._unchecked = (self._kernel if unchecked is None
-                           else launching_triton_directly(on_tensor_device(unchecked)))
         functools.update_wrapper(self, body)
 
     def __call__(self, *args, **kwargs):
@@ -124,30 +122,8 @@ class KernelOp:
         return traced
 
 
-def call_op(name: str, *args, checked: bool = False, **kwargs):
-    """``torch.ops.compiled_moe.<name>(*args, **kwargs)`` from the package's own code (op
-    bodies, autograd functions), which runs eagerly or under a trace: the op's kernel straight
-    where that is what the dispatcher would run (real tensors on a device of the op, not under
-    torch.compile or a dispatch mode, no autograd to record), else the op, which a graph keeps
-    as one node and a mode sees. Each dispatch costs 15-30 us of host time on the H200's host
-    (the dispatcher's trip and an autograd layer).
-
-    checked: the caller has made the op's argument checks on these very arguments (an op's
-    body handing them on to the CUDA kernel's op, whose checks repeat its own): the kernel
-    straight skips them (kernel_op's ``unchecked``). A dispatched call still makes them."""
-    op = _KERNEL_OPS[name]
-    t = args[0]
-    if "CUDA" in op.host_keys and t.device.type == "cuda":  # the C++ kernel beats the Python one
-        return getattr(torch.ops.compiled_moe, name)(*args, **kwargs)
-    if (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
-            and is_real_tensor(t) and t.device.type in op.device_types
-            and not (torch.is_grad_enabled() and torch._C._any_requires_grad(*args, **kwargs))):
-        return (op._unchecked if checked else op._kernel)(*args, **kwargs)
-    return getattr(torch.ops.compiled_moe, name)(*args, **kwargs)
-
-
 def kernel_op(name: str, *, device_types=("cuda",), traced: bool = False,
-              autograd: str = "raise", unchecked=None, host=None):
+              autograd: str = "raise", host=None):
     """Register the decorated function as ``torch.ops.compiled_moe.<name>``, an op without
     mutation whose kernel on ``device_types`` is the function itself.
 
@@ -168,10 +144,6 @@ def kernel_op(name: str, *, device_types=("cuda",), traced: bool = False,
         whose Python call costs about 10 us of host time: for ops without float inputs (the
         route) and the CUDA kernels' ops, which other ops' bodies call below autograd and
         compiled graphs call as opaque nodes.
-    unchecked: the body past its argument checks, with the body's signature, for
-        ``call_op(name, ..., checked=True)`` from the bodies of ops that made the same checks.
-        The CUDA kernels' ops repeat their callers' checks (they are reachable through
-        torch.ops, and a bad call must not reach a kernel): 5-17 us a call on the H200's host.
     host: ``host(module)`` registers the op's kernels of the C++ host layer (compiled_moe.host)
         and returns the dispatch keys it took ("Autograd": the formula and checks for every
         device; "CUDA": the kernel, where the layer has CUDA). Where the layer loads, those
@@ -182,7 +154,7 @@ def kernel_op(name: str, *, device_types=("cuda",), traced: bool = False,
 
     def register(body) -> KernelOp:
         _LIBRARY.define(name + torch.library.infer_schema(body, mutates_args=()))
-        op = _KERNEL_OPS[name] = KernelOp(name, body, device_types, unchecked)
+        op = _KERNEL_OPS[name] = KernelOp(name, body, device_types)
         host_module = host_layer() if host is not None else None
         if host_module is not None:
             op.host_keys = frozenset(host(host_module))

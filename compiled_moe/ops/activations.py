@@ -20,7 +20,6 @@ from torch import Tensor
 
 from compiled_moe import reference
 from compiled_moe.ops._dispatch import (
-    call_op,
     check_same_device,
     check_tensor,
     host_row_op,
@@ -29,6 +28,8 @@ from compiled_moe.ops._dispatch import (
     use_kernel,
 )
 from compiled_moe.reference import ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS
+
+_ops = torch.ops.compiled_moe
 
 
 def _kernels():
@@ -122,7 +123,7 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad):
     (h,) = ctx.saved_tensors
-    grad_h = call_op("moe_activation_backward", grad.to(h.dtype), h, *ctx.args)
+    grad_h = _ops.moe_activation_backward(grad.to(h.dtype), h, *ctx.args)
     return grad_h, None, None, None, None
 
 

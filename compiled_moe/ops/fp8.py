@@ -25,7 +25,6 @@ from torch import Tensor
 from compiled_moe import reference
 from compiled_moe.ops._dispatch import (
     OP_DTYPES,
-    call_op,
     check_bias,
     check_offs,
     check_same_device,
@@ -36,6 +35,8 @@ from compiled_moe.ops._dispatch import (
     use_kernel,
 )
 from compiled_moe.reference import FP8_DTYPE, check_recipe, fp8_block, fp8_column_slots
+
+_ops = torch.ops.compiled_moe
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -176,7 +177,7 @@ def _grouped_quantize(x: Tensor, offs: Optional[Tensor], recipe: str, rowwise: b
                       columnwise: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_quantize(x, offs, recipe, rowwise, columnwise)
     if columnwise and x.dim() == 2 and _quantize_cuda().supported(x, recipe):
-        return call_op("grouped_quantize_columns_cuda", x, offs, recipe, rowwise, checked=True)
+        return _ops.grouped_quantize_columns_cuda(x, offs, recipe, rowwise)
     outs = _quantize_outputs(x, offs, recipe, rowwise, columnwise)
     if not use_kernel(x):
         # Copied into the kernels' layouts (padded col_data rows), so every path has one layout.
@@ -220,10 +221,16 @@ def _(x, offs, recipe, rowwise=True, columnwise=False):
 # columnwise output of 2-D x (0.58-0.70 of copy bandwidth on the H200 with rowwise output too,
 # where the Triton launches reached 0.32-0.41; benchmarks/RESULTS.md). Opaque, as the Hopper
 # GEMMs: inductor cannot trace a driver launch. It repeats the checks (it is reachable as
-# torch.ops.compiled_moe.grouped_quantize_columns_cuda; grouped_quantize's body, which made
-# them, skips them) and runs the Triton kernels where x's address is not 16-byte aligned or the
-# slot table does not fit in shared memory.
-def _run_grouped_quantize_columns_cuda(x, offs, recipe, rowwise):
+# torch.ops.compiled_moe.grouped_quantize_columns_cuda) and runs the Triton kernels where x's
+# address is not 16-byte aligned or the slot table does not fit in shared memory.
+@kernel_op("grouped_quantize_columns_cuda", autograd="none")
+@on_tensor_device
+def _grouped_quantize_columns_cuda(x: Tensor, offs: Tensor, recipe: str,
+                                   rowwise: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_quantize(x, offs, recipe, rowwise, True)
+    if not _quantize_cuda().supported(x, recipe):
+        raise ValueError(f"x (shape {tuple(x.shape)}, strides {x.stride()}, {x.dtype}) or recipe "
+                         f"{recipe!r} is not supported by the CUDA quantize kernels")
     outs = _quantize_outputs(x, offs, recipe, rowwise, True)
     data, scale, col_data, col_scale = outs
     cuda = _quantize_cuda()
@@ -233,18 +240,6 @@ def _run_grouped_quantize_columns_cuda(x, offs, recipe, rowwise):
     else:
         _quantize_into(x, offs, recipe, rowwise, True, outs)
     return outs
-
-
-@kernel_op("grouped_quantize_columns_cuda", autograd="none",
-           unchecked=_run_grouped_quantize_columns_cuda)
-@on_tensor_device
-def _grouped_quantize_columns_cuda(x: Tensor, offs: Tensor, recipe: str,
-                                   rowwise: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    _check_quantize(x, offs, recipe, rowwise, True)
-    if not _quantize_cuda().supported(x, recipe):
-        raise ValueError(f"x (shape {tuple(x.shape)}, strides {x.stride()}, {x.dtype}) or recipe "
-                         f"{recipe!r} is not supported by the CUDA quantize kernels")
-    return _run_grouped_quantize_columns_cuda(x, offs, recipe, rowwise)
 
 
 @_grouped_quantize_columns_cuda.register_fake
@@ -392,8 +387,8 @@ def _scaled_grouped_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, o
     if not use_kernel(a):
         return reference.scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype, bias)
     if _sm90().supported(a, b, recipe, bias):
-        return call_op("fp8_blockwise_grouped_mm_sm90", a, b, a_scale, b_scale, offs, out_dtype,
-                       bias, checked=True)
+        return _ops.fp8_blockwise_grouped_mm_sm90(a, b, a_scale, b_scale, offs, out_dtype,
+                                                  bias)
     out = a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or torch.bfloat16)
     _kernels()[1].scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe, out, bias)
     return out
@@ -409,8 +404,13 @@ def _(a, b, a_scale, b_scale, offs, recipe, out_dtype=None, bias=None):
 # Hopper. An opaque custom op, because inductor cannot trace a driver launch. It makes
 # scaled_grouped_mm's checks (it is reachable as
 # torch.ops.compiled_moe.fp8_blockwise_grouped_mm_sm90, and a bad call must not reach the
-# kernel); scaled_grouped_mm's body, which made them, skips them.
-def _run_fp8_blockwise_grouped_mm_sm90(a, b, a_scale, b_scale, offs, out_dtype=None, bias=None):
+# kernel).
+@kernel_op("fp8_blockwise_grouped_mm_sm90", autograd="none")
+@on_tensor_device
+def _fp8_blockwise_grouped_mm_sm90(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor,
+                                   offs: Tensor, out_dtype: Optional[torch.dtype] = None,
+                                   bias: Optional[Tensor] = None) -> Tensor:
+    _check_scaled_mm(a, b, a_scale, b_scale, offs, "fp8_blockwise", out_dtype, bias)
     (m, k), n = a.shape, b.shape[2]
     out = a.new_empty((m, n), dtype=out_dtype or torch.bfloat16)
     if m == 0 or n == 0:
@@ -421,16 +421,6 @@ def _run_fp8_blockwise_grouped_mm_sm90(a, b, a_scale, b_scale, offs, out_dtype=N
     else:  # K = 0, an unaligned view or a strided bias: the Triton kernel handles them
         _kernels()[1].scaled_grouped_mm(a, b, a_scale, b_scale, offs, "fp8_blockwise", out, bias)
     return out
-
-
-@kernel_op("fp8_blockwise_grouped_mm_sm90", autograd="none",
-           unchecked=_run_fp8_blockwise_grouped_mm_sm90)
-@on_tensor_device
-def _fp8_blockwise_grouped_mm_sm90(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor,
-                                   offs: Tensor, out_dtype: Optional[torch.dtype] = None,
-                                   bias: Optional[Tensor] = None) -> Tensor:
-    _check_scaled_mm(a, b, a_scale, b_scale, offs, "fp8_blockwise", out_dtype, bias)
-    return _run_fp8_blockwise_grouped_mm_sm90(a, b, a_scale, b_scale, offs, out_dtype, bias)
 
 
 @_fp8_blockwise_grouped_mm_sm90.register_fake
@@ -491,8 +481,8 @@ def _scaled_grouped_mm_wgrad(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale:
         return reference.scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe,
                                                  out_dtype)
     if _sm90().wgrad_supported(a_t, d_t, recipe, offs.shape[0]):
-        return call_op("fp8_grouped_mm_wgrad_sm90", a_t, d_t, a_scale, d_scale, offs, recipe,
-                       out_dtype, checked=True)
+        return _ops.fp8_grouped_mm_wgrad_sm90(a_t, d_t, a_scale, d_scale, offs, recipe,
+                                              out_dtype)
     out = a_t.new_empty((offs.shape[0], a_t.shape[0], d_t.shape[0]),
                         dtype=out_dtype or torch.bfloat16)
     _kernels()[1].scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out)
@@ -514,13 +504,19 @@ def _check_sm90_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype) -> No
 
 
 # The CUDA weight-gradient kernel of csrc/fp8_grouped_mm.cu (fp8_blockwise and fp8_rowwise on
-# Hopper), opaque for the same reason as the forward's, with the same checks (skipped from
-# scaled_grouped_mm_wgrad's body, which made them). It computes
+# Hopper), opaque for the same reason as the forward's, with the same checks. It computes
 # everything when every group after the first starts at a multiple of 16 rows (TMA's rule) and
 # nothing otherwise; the Triton kernel launched after it tests the same condition on offs, on
 # the device, and does the opposite, so neither the host nor the graph needs to know which case
 # it is (no sync).
-def _run_fp8_grouped_mm_wgrad_sm90(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype=None):
+
+
+@kernel_op("fp8_grouped_mm_wgrad_sm90", autograd="none")
+@on_tensor_device
+def _fp8_grouped_mm_wgrad_sm90(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale: Tensor,
+                               offs: Tensor, recipe: str,
+                               out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    _check_sm90_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype)
     sm90 = _sm90()
     (k, _), n, g = a_t.shape, d_t.shape[0], offs.shape[0]
     out = a_t.new_empty((g, k, n), dtype=out_dtype or torch.bfloat16)
@@ -535,15 +531,6 @@ def _run_fp8_grouped_mm_wgrad_sm90(a_t, d_t, a_scale, d_scale, offs, recipe, out
     else:  # an unaligned view: the Triton kernel alone
         _kernels()[1].scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out)
     return out
-
-
-@kernel_op("fp8_grouped_mm_wgrad_sm90", autograd="none", unchecked=_run_fp8_grouped_mm_wgrad_sm90)
-@on_tensor_device
-def _fp8_grouped_mm_wgrad_sm90(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale: Tensor,
-                               offs: Tensor, recipe: str,
-                               out_dtype: Optional[torch.dtype] = None) -> Tensor:
-    _check_sm90_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype)
-    return _run_fp8_grouped_mm_wgrad_sm90(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype)
 
 
 @_fp8_grouped_mm_wgrad_sm90.register_fake

@@ -25,7 +25,6 @@ from torch import Tensor
 
 from compiled_moe import reference
 from compiled_moe.ops._dispatch import (
-    call_op,
     check_bias,
     check_offs,
     check_out_dtype,
@@ -39,6 +38,8 @@ from compiled_moe.ops._dispatch import (
     on_tensor_device,
     use_kernel,
 )
+
+_ops = torch.ops.compiled_moe
 
 
 def _kernels():
@@ -105,7 +106,7 @@ def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor, bias: Optional[Tensor] = Non
     _check_grouped_mm(a, b, offs, bias, out_dtype)
     if not use_kernel(a):
         return reference.grouped_mm(a, b, offs, bias, out_dtype)
-    return grouped_mm_on_device(a, b, offs, bias, out_dtype, checked=True)
+    return grouped_mm_on_device(a, b, offs, bias, out_dtype)
 
 
 def cuda_kernel_applies(a: Tensor, b: Tensor, bias: Optional[Tensor], out_dtype: torch.dtype
@@ -116,15 +117,13 @@ def cuda_kernel_applies(a: Tensor, b: Tensor, bias: Optional[Tensor], out_dtype:
 
 
 def grouped_mm_on_device(a: Tensor, b: Tensor, offs: Tensor, bias: Optional[Tensor] = None,
-                         out_dtype: Optional[torch.dtype] = None, cuda: bool = True,
-                         checked: bool = False) -> Tensor:
+                         out_dtype: Optional[torch.dtype] = None, cuda: bool = True) -> Tensor:
     """grouped_mm's GPU path, also for the bodies of ops that run a grouped GEMM inside (the
     caller has checked its own arguments): the Hopper CUDA kernel where it applies and
     ``cuda`` allows it, else the Triton kernel (which a compiled graph launches itself,
-    without a call back into Python). checked: grouped_mm's checks were made on these
-    arguments (call_op's ``checked``)."""
+    without a call back into Python)."""
     if cuda and cuda_kernel_applies(a, b, bias, out_dtype or a.dtype):
-        return call_op("grouped_mm_sm90", a, b, offs, bias, out_dtype, checked=checked)
+        return _ops.grouped_mm_sm90(a, b, offs, bias, out_dtype)
     out = a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or a.dtype)
     _kernels().grouped_mm(a, b, offs, bias, out)
     return out
@@ -149,15 +148,15 @@ def _grouped_mm_backward(ctx, grad):
     if ctx.needs_input_grad[0]:
         # dgrad: the same kernel with b transposed, no copy (b.mT of an nn.Linear weight view
         # is the contiguous weight itself).
-        grad_a = call_op("grouped_mm", grad, b.mT, offs)
+        grad_a = _ops.grouped_mm(grad, b.mT, offs)
     if ctx.needs_input_grad[1]:
         if is_transposed_weight(b):
             # Write the gradient in the weight's own (G, N, K) storage order.
-            grad_b = call_op("grouped_mm_wgrad", grad, a, offs, out_dtype=b.dtype).mT
+            grad_b = _ops.grouped_mm_wgrad(grad, a, offs, out_dtype=b.dtype).mT
         else:
-            grad_b = call_op("grouped_mm_wgrad", a, grad, offs, out_dtype=b.dtype)
+            grad_b = _ops.grouped_mm_wgrad(a, grad, offs, out_dtype=b.dtype)
     if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
-        grad_bias = call_op("grouped_sum", grad, offs, out_dtype=ctx.bias_dtype)
+        grad_bias = _ops.grouped_sum(grad, offs, out_dtype=ctx.bias_dtype)
     return grad_a, grad_b, None, grad_bias, None
 
 
@@ -194,7 +193,7 @@ def _grouped_mm_wgrad(a: Tensor, grad_out: Tensor, offs: Tensor,
     if not use_kernel(a):
         return reference.grouped_mm_wgrad(a, grad_out, offs, out_dtype)
     if _sm90().wgrad_supported(a, grad_out, out_dtype or a.dtype):
-        return call_op("grouped_mm_wgrad_sm90", a, grad_out, offs, out_dtype, checked=True)
+        return _ops.grouped_mm_wgrad_sm90(a, grad_out, offs, out_dtype)
     out = a.new_empty((offs.shape[0], a.shape[1], grad_out.shape[1]), dtype=out_dtype or a.dtype)
     _kernels().grouped_mm_wgrad(a, grad_out, offs, out, accumulate=False, accumulate_mask=None)
     return out
@@ -217,9 +216,9 @@ def _wgrad_backward(ctx, dw):
     dw = dw.to(a.dtype)
     da = dd = None
     if ctx.needs_input_grad[0]:
-        da = call_op("grouped_mm", grad_out, dw.mT, offs)
+        da = _ops.grouped_mm(grad_out, dw.mT, offs)
     if ctx.needs_input_grad[1]:
-        dd = call_op("grouped_mm", a, dw, offs)
+        dd = _ops.grouped_mm(a, dw, offs)
     return da, dd, None, None
 
 
@@ -304,13 +303,17 @@ _register_host_wgrad_accumulate()
 # ---------------------------------------------------------------------------- Hopper CUDA kernels
 # csrc/grouped_mm.cu, which the ops above call on sm_90 when the operands suit TMA. Opaque
 # custom ops, because inductor cannot trace a driver launch. Each makes its op's checks: they
-# are reachable through torch.ops, and a bad call must not reach a kernel. The ops above, which
-# made the same checks, run them without (call_op's ``checked``). Calls the kernels cannot take
-# at run time (M = 0, an unaligned address) go to the Triton kernels.
+# are reachable through torch.ops, and a bad call must not reach a kernel (on the H200's host
+# they cost 5-17 us a call, repeated from the op that calls them; in eager mode the C++ host
+# layer's kernels launch the CUDA kernels without these ops). Calls the kernels cannot take at
+# run time (M = 0, an unaligned address) go to the Triton kernels.
 
 
-def _run_grouped_mm_sm90(a, b, offs, bias=None, out_dtype=None) -> Tensor:
-    """grouped_mm_sm90 past its checks (grouped_mm's body, which made them, calls it so)."""
+@kernel_op("grouped_mm_sm90", autograd="none")
+@on_tensor_device
+def _grouped_mm_sm90(a: Tensor, b: Tensor, offs: Tensor, bias: Optional[Tensor] = None,
+                     out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    _check_grouped_mm(a, b, offs, bias, out_dtype)
     out = a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or a.dtype)
     sm90 = _sm90()
     if a.shape[0] > 0 and sm90.supported(a, b, bias, out.dtype) and sm90.aligned(a, b, out):
@@ -320,22 +323,18 @@ def _run_grouped_mm_sm90(a, b, offs, bias=None, out_dtype=None) -> Tensor:
     return out
 
 
-@kernel_op("grouped_mm_sm90", autograd="none", unchecked=_run_grouped_mm_sm90)
-@on_tensor_device
-def _grouped_mm_sm90(a: Tensor, b: Tensor, offs: Tensor, bias: Optional[Tensor] = None,
-                     out_dtype: Optional[torch.dtype] = None) -> Tensor:
-    _check_grouped_mm(a, b, offs, bias, out_dtype)
-    return _run_grouped_mm_sm90(a, b, offs, bias, out_dtype)
-
-
 @_grouped_mm_sm90.register_fake
 def _(a, b, offs, bias=None, out_dtype=None):
     _check_grouped_mm(a, b, offs, bias, out_dtype)
     return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or a.dtype)
 
 
-def _run_grouped_mm_wgrad_sm90(a, grad_out, offs, out_dtype=None) -> Tensor:
-    """grouped_mm_wgrad_sm90 past its checks (grouped_mm_wgrad's body calls it so)."""
+@kernel_op("grouped_mm_wgrad_sm90", autograd="none")
+@on_tensor_device
+def _grouped_mm_wgrad_sm90(a: Tensor, grad_out: Tensor, offs: Tensor,
+                           out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    _check_wgrad(a, grad_out, offs)
+    check_out_dtype(out_dtype)
     out = a.new_empty((offs.shape[0], a.shape[1], grad_out.shape[1]), dtype=out_dtype or a.dtype)
     sm90 = _sm90()
     if (a.shape[0] > 0 and sm90.wgrad_supported(a, grad_out, out.dtype, out)
@@ -344,15 +343,6 @@ def _run_grouped_mm_wgrad_sm90(a, grad_out, offs, out_dtype=None) -> Tensor:
     else:
         _kernels().grouped_mm_wgrad(a, grad_out, offs, out, accumulate=False, accumulate_mask=None)
     return out
-
-
-@kernel_op("grouped_mm_wgrad_sm90", autograd="none", unchecked=_run_grouped_mm_wgrad_sm90)
-@on_tensor_device
-def _grouped_mm_wgrad_sm90(a: Tensor, grad_out: Tensor, offs: Tensor,
-                           out_dtype: Optional[torch.dtype] = None) -> Tensor:
-    _check_wgrad(a, grad_out, offs)
-    check_out_dtype(out_dtype)
-    return _run_grouped_mm_wgrad_sm90(a, grad_out, offs, out_dtype)
 
 
 @_grouped_mm_wgrad_sm90.register_fake

@@ -33,7 +33,6 @@ from compiled_moe import reference
 from compiled_moe.kernels.configs import fused_mlp_fc1_on_cuda, fused_mlp_fc2_on_cuda, size_hint
 from compiled_moe.ops.grouped_mm import cuda_kernel_applies, grouped_mm_on_device
 from compiled_moe.ops._dispatch import (
-    call_op,
     check_offs,
     check_same_device,
     check_same_dtype,
@@ -43,6 +42,8 @@ from compiled_moe.ops._dispatch import (
     use_kernel,
 )
 from compiled_moe.reference import ACTIVATIONS, GATE_UP_LAYOUTS, GATED_ACTIVATIONS
+
+_ops = torch.ops.compiled_moe
 
 
 def _kernels():
@@ -204,24 +205,24 @@ def _setup(ctx, inputs, output):
 def _weight_grad(d: Tensor, a: Tensor, offs: Tensor, w: Tensor) -> Tensor:
     """Per-group d_g^T @ a_g shaped like w (G, P, Q), written in w's own storage order."""
     if w.stride(1) == 1 and w.stride(2) != 1:  # w is a transposed view
-        return call_op("grouped_mm_wgrad", a, d, offs, out_dtype=w.dtype).mT
-    return call_op("grouped_mm_wgrad", d, a, offs, out_dtype=w.dtype)
+        return _ops.grouped_mm_wgrad(a, d, offs, out_dtype=w.dtype).mT
+    return _ops.grouped_mm_wgrad(d, a, offs, out_dtype=w.dtype)
 
 
 def input_grads(dy, x, offs, w1, w2, probs, source, row_of, h, activation_args, need_x):
     """Backward to the inputs: ``(grad_x or None, dh, a, dprobs)``; dh and a (FC2's input,
     recomputed) are what the weight gradients need."""
-    dh, a, dprobs = call_op("moe_mlp_fc2_dgrad", dy, w2, h, offs, probs, *activation_args)
+    dh, a, dprobs = _ops.moe_mlp_fc2_dgrad(dy, w2, h, offs, probs, *activation_args)
     grad_x = None
     if need_x:
-        dx = call_op("grouped_mm", dh, w1, offs)
-        grad_x = dx if source is None else call_op("moe_unpermute", dx, row_of, source)
+        dx = _ops.grouped_mm(dh, w1, offs)
+        grad_x = dx if source is None else _ops.moe_unpermute(dx, row_of, source)
     return grad_x, dh, a, dprobs
 
 
 def sorted_input(x, source, row_of):
     """FC1's input rows in sorted order (gathered again in backward instead of kept)."""
-    return x if source is None else call_op("moe_permute", x, row_of, source)
+    return x if source is None else _ops.moe_permute(x, row_of, source)
 
 
 def weight_grads(dy, dh, a, x, offs, w1, w2, source, row_of, need_w1=True, need_w2=True):
@@ -238,9 +239,9 @@ def bias_grads(dy, dh, offs, bias_dtypes, need_b1, need_b2):
     b1_dtype, b2_dtype = bias_dtypes
     grad_b1 = grad_b2 = None
     if b1_dtype is not None and need_b1:
-        grad_b1 = call_op("grouped_sum", dh, offs, out_dtype=b1_dtype)
+        grad_b1 = _ops.grouped_sum(dh, offs, out_dtype=b1_dtype)
     if b2_dtype is not None and need_b2:
-        grad_b2 = call_op("grouped_sum", dy, offs, out_dtype=b2_dtype)
+        grad_b2 = _ops.grouped_sum(dy, offs, out_dtype=b2_dtype)
     return grad_b1, grad_b2
 
 

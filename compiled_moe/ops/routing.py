@@ -24,7 +24,6 @@ from torch import Tensor
 from compiled_moe import reference
 from compiled_moe.kernels.configs import ROUTE_ONE_PROGRAM_PAIRS
 from compiled_moe.ops._dispatch import (
-    call_op,
     check_same_device,
     check_tensor,
     host_row_op,
@@ -32,6 +31,8 @@ from compiled_moe.ops._dispatch import (
     on_tensor_device,
     use_kernel,
 )
+
+_ops = torch.ops.compiled_moe
 
 _ID_DTYPES = (torch.int32, torch.int64)
 # moe_route's kernels keep per-expert counts in at most 48 KB of shared memory (the default
@@ -210,7 +211,7 @@ def _permute_backward(ctx, grad):
     hidden, row_of, source, scale = ctx.saved_tensors
     grad_hidden = grad_scale = None
     if ctx.needs_input_grad[0]:
-        grad_hidden = call_op("moe_unpermute", grad, row_of, source, scale)
+        grad_hidden = _ops.moe_unpermute(grad, row_of, source, scale)
     if scale is not None and ctx.needs_input_grad[3]:
         # <hidden[t], grad_x[row_of[t, s]]>: only double backward of moe_unpermute gets here.
         grad_scale = reference.moe_unpermute_dot(hidden, grad, row_of).to(scale.dtype)
@@ -249,16 +250,16 @@ def _unpermute_backward(ctx, grad):
     grad_y = grad_weights = None
     if weights is None:
         if ctx.needs_input_grad[0]:
-            grad_y = call_op("moe_permute", grad, row_of, source)
+            grad_y = _ops.moe_permute(grad, row_of, source)
         return grad_y, None, None, None
     if ctx.needs_input_grad[3]:
         # One pass gives both: grad_y[r] = w * grad[t] and grad_w[t, s] = <grad[t], y[r]>.
-        grad_y, grad_weights = call_op("moe_unpermute_backward", grad, y, row_of, source,
-                                       weights)
+        grad_y, grad_weights = _ops.moe_unpermute_backward(grad, y, row_of, source,
+                                                           weights)
         if not ctx.needs_input_grad[0]:
             grad_y = None
     elif ctx.needs_input_grad[0]:
-        grad_y = call_op("moe_permute", grad, row_of, source, weights)
+        grad_y = _ops.moe_permute(grad, row_of, source, weights)
     return grad_y, None, None, grad_weights
 
 
