@@ -509,8 +509,6 @@ def _check_sm90_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype) -> No
 # nothing otherwise; the Triton kernel launched after it tests the same condition on offs, on
 # the device, and does the opposite, so neither the host nor the graph needs to know which case
 # it is (no sync).
-
-
 @kernel_op("fp8_grouped_mm_wgrad_sm90", autograd="none")
 @on_tensor_device
 def _fp8_grouped_mm_wgrad_sm90(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale: Tensor,
