@@ -122,8 +122,9 @@ def _save_weight_args(ctx, a, b, bias, recipe) -> None:
 def _backward(ctx, grad, a_col, a_col_s, w_col, w_col_s, offs, need_a, need_b, need_bias):
     """(grad of a, of b, of bias) of out = a @ b[g] (+ bias[g]) in FP8, from the columnwise data
     of a and of the weight (None where not needed)."""
-    g_q, g_s, g_col, g_col_s = _quantize(grad.to(ctx.a_dtype), offs, ctx.recipe, need_a, need_b)
     grad_a = grad_b = grad_bias = None
+    if need_a or need_b:  # (the bias alone needs no quantized gradient)
+        g_q, g_s, g_col, g_col_s = _quantize(grad.to(ctx.a_dtype), offs, ctx.recipe, need_a, need_b)
     if need_a:
         # dgrad: grad (M, N) @ W (N, K); w_col (G, K, N) is W's columnwise data.
         grad_a = _ops.scaled_grouped_mm(g_q, w_col.mT, g_s, w_col_s, offs, ctx.recipe,

@@ -261,7 +261,7 @@ def test_fp8_grouped_mm_formula_matches_python(recipe):
     """fp8_grouped_mm's C++ autograd function (csrc/host/fp8.cpp) and the Python one
     (compiled_moe/fp8.py's _FP8GroupedMM) give the same output and gradients to the bit: with
     and without a bias and the weight quantized beforehand, for a transposed and a contiguous
-    weight, and with only some inputs needing gradients."""
+    weight, and with only some inputs needing gradients (the bias alone too)."""
     from compiled_moe import fp8
 
     gen = torch.Generator().manual_seed(5)
@@ -269,7 +269,8 @@ def test_fp8_grouped_mm_formula_matches_python(recipe):
     offs = random_offsets(M, G, generator=gen, empty_groups=1, tail=3)
     grad = torch.randn(M, N, generator=gen)
     for with_bias, cached, transposed, need in ((False, False, True, (1, 1, 0)), (True, True, True, (1, 1, 1)),
-                                                (True, False, False, (0, 1, 1)), (False, True, True, (1, 0, 0))):
+                                                (True, False, False, (0, 1, 1)), (False, True, True, (1, 0, 0)),
+                                                (True, False, True, (0, 0, 1))):
         a = torch.randn(M, K, generator=gen).requires_grad_(bool(need[0]))
         w = (torch.randn(G, N, K, generator=gen) / K ** 0.5).requires_grad_(bool(need[1]))
         b = w.mT if transposed else w.mT.contiguous().detach().requires_grad_(bool(need[1]))
@@ -291,7 +292,7 @@ def test_fp8_activation_grouped_mm_formula_matches_python(recipe):
     """fp8_activation_grouped_mm's C++ autograd function (FC2 of the FP8 MLP) and the Python one
     give the same output and gradients to the bit: gated and plain activations, with and
     without probs, a bias and the weight quantized beforehand, gpt_oss with its own constants,
-    and with only some inputs needing gradients."""
+    and with only some inputs needing gradients (the bias alone too)."""
     from compiled_moe import fp8
     from compiled_moe.ops.activations import activation_constants
 
@@ -302,7 +303,8 @@ def test_fp8_activation_grouped_mm_formula_matches_python(recipe):
     cases = [("swiglu", "stacked", False, False, False, (1, 1, 0, 0)),
              ("gpt_oss", "interleaved", True, True, False, (1, 1, 1, 1)),
              ("relu2", "stacked", True, False, True, (0, 1, 1, 0)),
-             ("geglu", "interleaved", False, True, True, (1, 0, 0, 1))]
+             ("geglu", "interleaved", False, True, True, (1, 0, 0, 1)),
+             ("swiglu", "stacked", True, True, False, (0, 0, 0, 1))]
     for activation, layout, with_probs, with_bias, cached, need in cases:
         n1 = I if activation == "relu2" else 2 * I
         h = torch.randn(M, n1, generator=gen).requires_grad_(bool(need[0]))
