@@ -212,6 +212,8 @@ class WgradPlan(NamedTuple):
 
 
 def wgrad_plan(M: int, P: int, Q: int, G: int, out_dtype: torch.dtype, dev: int, num_stages=None) -> WgradPlan:
+    """The launch of out (G, P, Q) from a_t (P, M) and d_t (Q, M); num_stages by default the
+    config's, fitted to shared memory."""
     cfg = fp8_wgrad_sm90_config(size_hint(M) // G)
     num_stages = wgrad_stages(num_stages or cfg.num_stages, G, out_dtype)
     tiles_per_group = -(-P // 128) * -(-Q // 128)

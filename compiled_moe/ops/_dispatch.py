@@ -75,10 +75,9 @@ _DISPATCH_KEYS = {"cuda": "CUDA", "cpu": "CPU"}
 class KernelOp:
     """An op registered by kernel_op: call it, or register its fake as with custom_op."""
 
-    def __init__(self, name: str, body, device_types=("cuda",)):
+    def __init__(self, name: str, body):
         self.qualname, self._body = f"compiled_moe::{name}", body
         self.host_keys = frozenset()  # dispatch keys whose kernels the C++ host layer registered
-        self.device_types = device_types
         self._kernel = launching_triton_directly(body)
         functools.update_wrapper(self, body)
 
@@ -154,7 +153,7 @@ def kernel_op(name: str, *, device_types=("cuda",), traced: bool = False,
 
     def register(body) -> KernelOp:
         _LIBRARY.define(name + torch.library.infer_schema(body, mutates_args=()))
-        op = _KERNEL_OPS[name] = KernelOp(name, body, device_types)
+        op = _KERNEL_OPS[name] = KernelOp(name, body)
         host_module = host_layer() if host is not None else None
         if host_module is not None:
             op.host_keys = frozenset(host(host_module))
