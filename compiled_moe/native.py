@@ -249,8 +249,8 @@ class TensorMap(ctypes.Structure):
 @functools.lru_cache(maxsize=8192)
 @driver_entry
 def tensor_map(address: int, dims: tuple, byte_strides: tuple, box: tuple,
-               data_type: str = "UINT8") -> TensorMap:
-    """A tiled TMA descriptor with the 128-byte swizzle.
+               data_type: str = "UINT8", swizzle: str = "128B") -> TensorMap:
+    """A tiled TMA descriptor, with the 128-byte swizzle unless told otherwise ("NONE").
 
     dims, innermost first; byte_strides of dims[1:]; box in elements; data_type a
     CU_TENSOR_MAP_DATA_TYPE_* name (loads can treat any tensor as bytes; reducing stores
@@ -265,7 +265,7 @@ def tensor_map(address: int, dims: tuple, byte_strides: tuple, box: tuple,
         [u64(d) for d in dims], [u64(s) for s in byte_strides], [u32(b) for b in box],
         [u32(1)] * len(dims),
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        getattr(driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swizzle}"),
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != driver.CUresult.CUDA_SUCCESS:

@@ -519,27 +519,101 @@ FP8_BLOCKWISE_KERNEL(fp8_blockwise_grouped_mm_n256_bias, 1, true, 2, )
 // a_t and of d_t); a group's chunk that passes its end loads through the group's copies of the
 // maps, which end there (write_group_maps, sm90.cuh), so TMA fills the columns past it with
 // zeros; the bf16 weight gradient's TMA-store epilogue (the tile leaves under the next tile's
-// wgmma). Groups must start at multiples of 16 rows (TMA along the rows); see the test on offs
-// below.
+// wgmma). A TMA box starts at a 16-byte multiple along the rows (a misaligned start is an
+// illegal instruction): a group that starts elsewhere loads each chunk from the 16-row
+// boundary below it, plus a 16-row side box past the window, and the helper warp that stages
+// the chunk's scales moves its rows into place (shift_chunk), so every group runs here.
 
 constexpr int WGRAD_BAND_P = 8;  // tile order: see band_tile (sm90.cuh)
+// A stage's side boxes (an unaligned group's 16 rows past the window): a_t's 128 rows x 16
+// bytes, then d_t's, unswizzled.
+constexpr int SIDE_BYTES = 2 * 128 * 16;
 
-// One buffer of partial products: each chunk's wgmma is waited for, then promoted, while the
-// other consumer's wgmma fill the tensor cores. As the forward, two buffers (chunk s + 1's
-// wgmma running while chunk s is promoted) were tried: 64 more registers, which spilled (ptxas:
-// 48-96 bytes), and 1.01-1.08x slower with 1-2 chunks a tile (Qwen3, GPT-OSS), 0.95-1.03x
-// with 8 (DeepSeek-V3, Mixtral). At 1-2 chunks a tile the epilogue and the tile's place cost as
-// much as a chunk (ncu's samples at Qwen3 fc1: 16% of the consumers' time in the tile's place,
-// 17% in the epilogue), so both run under the next tile's first wgmma: 1.04-1.13x on Qwen3,
-// 1.00-1.07x on GPT-OSS; the scales are read by ld.shared (the compiler had emitted generic
-// loads) and the stage goes back before the promotion's arithmetic: a further 1.00-1.07x
-// (geometric mean 1.03x). Against two buffers, with the same changes where they apply:
-// 1.02-1.08x on all 16 bench_fp8 shapes (H200, same-process A/Bs, outputs bitwise equal).
-// CLAIMED: as the bf16 weight gradient's (csrc/grouped_mm.cu).
+__device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ void st_shared_v4(u32 addr, uint4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// Bytes 4 Q + s / 8 .. + 15 of the 32 bytes lo, hi (Q, the shift's whole words, a constant: the
+// words are picked without registers to spare, which the helper warps lack).
+template <int Q>
+__device__ __forceinline__ uint4 bytes_from(uint4 lo, uint4 hi, int s) {
+  const u32 u[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  return make_uint4(__funnelshift_r(u[Q], u[Q + 1], s), __funnelshift_r(u[Q + 1], u[Q + 2], s),
+                    __funnelshift_r(u[Q + 2], u[Q + 3], s), __funnelshift_r(u[Q + 3], u[Q + 4], s));
+}
+
+// v with its bytes from n on (0 <= n < 16) set to zero.
+__device__ __forceinline__ uint4 first_bytes(uint4 v, int n) {
+  auto keep = [n](u32 w, int at) {
+    const int k = min(max(n - at, 0), 4);
+    return k == 4 ? w : w & ((1u << (8 * k)) - 1u);
+  };
+  return make_uint4(keep(v.x, 0), keep(v.y, 4), keep(v.z, 8), keep(v.w, 12));
+}
+
+// An unaligned group's chunk into place, by one warp: TMA loaded the stage's a_t and d_t tiles
+// (256 rows of 128 bytes, 128-byte swizzled: row r's 16-byte chunk k at chunk k ^ (r % 8))
+// from the 16-byte boundary `lead` = 4 Q + s / 8 bytes before the chunk's first row, and
+// `side` the 16 bytes after them; every row moves `lead` bytes toward its start, and bytes
+// from `valid` on (the group's end) become zeros. Lane l takes rows l, l + 32, ...: the 32
+// lanes' 16-byte accesses fall in 8 different chunk columns, as few shared-memory wavefronts as
+// 512 bytes take.
+template <int Q>
+__device__ __forceinline__ void shift_rows(u32 tiles_addr, u32 side_addr, int s, int lane) {
+#pragma unroll 1
+  for (int j = 0; j < 8; ++j) {
+    const int r = lane + 32 * j;
+    // Chunk k of the row at row ^ (k << 4): the tiles are 1024-byte aligned, so bits 4-6 of
+    // row are the swizzle's r % 8 (one XOR an access, and no table of addresses to keep).
+    const u32 row = (tiles_addr + r * 128) | ((r & 7) << 4);
+    uint4 cur = ld_shared_v4(row);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint4 next = k < 7 ? ld_shared_v4(row ^ ((k + 1) << 4)) : ld_shared_v4(side_addr + r * 16);
+      st_shared_v4(row ^ (k << 4), bytes_from<Q>(cur, next, s));
+      cur = next;
+    }
+  }
+}
+
+// Zeros from byte `valid` (< 128) on of every row of the stage's tiles (as shift_rows lays
+// them out): a separate pass, only where a chunk passes its group's end, so that the shift
+// keeps no masks in registers.
+__device__ __forceinline__ void zero_from(u32 tiles_addr, int valid, int lane) {
+#pragma unroll 1
+  for (int j = 0; j < 8; ++j) {
+    const int r = lane + 32 * j;
+    const u32 row = (tiles_addr + r * 128) | ((r & 7) << 4);
+    const int k0 = valid >> 4;
+    st_shared_v4(row ^ (k0 << 4), first_bytes(ld_shared_v4(row ^ (k0 << 4)), valid & 15));
+    for (int k = k0 + 1; k < 8; ++k) st_shared_v4(row ^ (k << 4), make_uint4(0, 0, 0, 0));
+  }
+}
+
+__device__ __forceinline__ void shift_chunk(const unsigned char* tiles, const unsigned char* side, int lead,
+                                            int valid, int lane) {
+  const u32 t = smem_addr(tiles), sd = smem_addr(side);
+  const int s = 8 * (lead & 3);
+  switch (lead >> 2) {
+    case 0: shift_rows<0>(t, sd, s, lane); break;
+    case 1: shift_rows<1>(t, sd, s, lane); break;
+    case 2: shift_rows<2>(t, sd, s, lane); break;
+    default: shift_rows<3>(t, sd, s, lane); break;
+  }
+  if (valid < BLOCK_K) zero_from(t, valid, lane);
+}
+
 template <bool CLAIMED>
 __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
-    const TensorMap& a_map, const TensorMap& d_map, const TensorMap& out_map,
-    const float* __restrict__ a_scale, long long a_scale_stride_p, int a_scale_stride_s,
+    const TensorMap& a_map, const TensorMap& d_map, const TensorMap& a_side_map, const TensorMap& d_side_map,
+    const TensorMap& out_map, const float* __restrict__ a_scale, long long a_scale_stride_p, int a_scale_stride_s,
     const float* __restrict__ d_scale, long long d_scale_stride_q, int d_scale_stride_s,
     int out_kind, const int* __restrict__ offs, int M, int P, int Q, int G, int num_stages,
     int scale_per_group, const TensorMap* __restrict__ group_maps, int* __restrict__ order) {
@@ -547,10 +621,11 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
   extern __shared__ __align__(1024) unsigned char wgrad_smem_raw[];
   unsigned char* smem = (unsigned char*)(((u64)wgrad_smem_raw + 1023) & ~1023ull);
   const int staging_bytes = staging_boxes(out_kind) * STAGING_BOX_BYTES;
-  unsigned char* out_stage = smem + num_stages * STAGE_BYTES;
+  unsigned char* side = smem + num_stages * STAGE_BYTES;  // [stage][SIDE_BYTES]
+  unsigned char* out_stage = side + num_stages * SIDE_BYTES;
   u64* full = (u64*)(out_stage + 2 * staging_bytes);
   u64* empty = full + MAX_STAGES;
-  u64* ready = empty + MAX_STAGES;  // a stage's scales are in place
+  u64* ready = empty + MAX_STAGES;  // a stage's scales (and an unaligned chunk's rows) are in place
   const TileQueue tiles = TileQueue::at(ready + MAX_STAGES);  // CLAIMED only
   // [stage][256]: a_t's 128 rows, d_t's 128
   float* stage_scales = (float*)((unsigned char*)(ready + MAX_STAGES) + TileQueue::BYTES);
@@ -566,12 +641,6 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
   if (threadIdx.x == 0)
     for (int st = 0; st < num_stages; ++st) mbar_init(&ready[st], 32);  // fenced by the barrier below
   build_schedule(offs, G, M, 1, BLOCK_K, groups, scratch);  // ends with __syncthreads
-  // A TMA box starts at a 16-byte multiple along the rows (a misaligned start is an illegal
-  // instruction). If any group starts elsewhere, this kernel does nothing and the Triton
-  // kernel launched after it (only_unaligned, the same test on offs) computes everything.
-  int misaligned = 0;
-  for (int g = 1 + threadIdx.x; g < G; g += THREADS) misaligned |= groups.row_start[g] % 16;
-  if (__syncthreads_or(misaligned)) return;
 
   auto tile_of = [&](int t, int& g, int& p0, int& q0) {  // tile order: band_tile
     g = band_tile(t, num_p, num_q, WGRAD_BAND_P, p0, q0);
@@ -598,19 +667,28 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
         int g, p0, q0;
         tile_of(t, g, p0, q0);
         const int start = groups.row_start[g], end = groups.row_end[g];
-        // A group's last chunk, where partial, through the group's maps; every other chunk
-        // through the parameter maps, so that groups ending on whole chunks acquire no map.
+        // An unaligned group's windows start `lead` rows before its chunks (the helper warp
+        // shifts them into place); their side boxes hold the 16 rows after each window.
+        const int lead = start & 15;
+        // A group's last window, where it passes the group's end, through the group's maps;
+        // every other through the parameter maps, so that groups ending on whole chunks
+        // acquire no map.
         auto load_chunk = [&](int m0, const TensorMap* a_src, const TensorMap* d_src) {
           mbar_wait(&empty[stage], phase ^ 1);
           unsigned char* dst = smem + stage * STAGE_BYTES;
-          mbar_expect_tx(&full[stage], STAGE_BYTES);
-          tma_load_2d(dst, a_src, &full[stage], m0, p0);
-          tma_load_2d(dst + TILE_BYTES, d_src, &full[stage], m0, q0);
+          mbar_expect_tx(&full[stage], lead ? STAGE_BYTES + SIDE_BYTES : STAGE_BYTES);
+          tma_load_2d(dst, a_src, &full[stage], m0 - lead, p0);
+          tma_load_2d(dst + TILE_BYTES, d_src, &full[stage], m0 - lead, q0);
+          if (lead) {
+            unsigned char* side_dst = side + stage * SIDE_BYTES;
+            tma_load_2d(side_dst, &a_side_map, &full[stage], m0 - lead + BLOCK_K, p0);
+            tma_load_2d(side_dst + SIDE_BYTES / 2, &d_side_map, &full[stage], m0 - lead + BLOCK_K, q0);
+          }
           if (++stage == num_stages) { stage = 0; phase ^= 1; }
           if (CLAIMED && m0 == start) tiles.push(k++, next);  // after the tile's first load
         };
         int m0 = start;
-        for (; m0 + BLOCK_K <= end; m0 += BLOCK_K) load_chunk(m0, &a_map, &d_map);
+        for (; m0 - lead + BLOCK_K <= end; m0 += BLOCK_K) load_chunk(m0, &a_map, &d_map);
         if (m0 < end) {
           if (g != acquired) {
             map_acquire(group_maps + 2 * g);
@@ -631,7 +709,7 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
       for (int t = blockIdx.x, k = 0; t < num_tiles; t = CLAIMED ? tiles.pop(k++, lane) : t + (int)gridDim.x) {
         int g, p0, q0;
         tile_of(t, g, p0, q0);
-        const int rows = groups.row_end[g] - groups.row_start[g];
+        const int start = groups.row_start[g], rows = groups.row_end[g] - start, lead = start & 15;
         const int steps = (rows + BLOCK_K - 1) / BLOCK_K;
         const int first_slot = groups.tile_end[g] - steps;
         for (int s = 0; s < steps; ++s, ++seq) {
@@ -652,6 +730,11 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
             for (int i = 0; i < 4; ++i) {
               sc[lane + 32 * i] = sa[i];
               sc[128 + lane + 32 * i] = sd[i];
+            }
+            if (lead) {  // the chunk's rows into place once they have landed, seen by wgmma
+              mbar_wait(&full[stage], phase);
+              shift_chunk(smem + stage * STAGE_BYTES, side + stage * SIDE_BYTES, lead, rows - s * BLOCK_K, lane);
+              fence_async_shared();
             }
             mbar_arrive_if(&ready[stage], true);
           }
@@ -794,6 +877,8 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
   extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                              \
       const __grid_constant__ TensorMap a_map,   /* a_t (P, M) e4m3: dims {M, P}, box {128, 128} */           \
       const __grid_constant__ TensorMap d_map,   /* d_t (Q, M) e4m3: dims {M, Q}, box {128, 128} */           \
+      const __grid_constant__ TensorMap a_side_map, /* a_t: box {16, 128}, unswizzled */                      \
+      const __grid_constant__ TensorMap d_side_map, /* d_t: box {16, 128}, unswizzled */                      \
       const __grid_constant__ TensorMap out_map, /* out (G, P, Q): dims {Q, P, G}, box {128 B, 64, 1} */      \
       const float* __restrict__ a_scale, long long a_scale_stride_p, int a_scale_stride_s,                    \
       const float* __restrict__ d_scale, long long d_scale_stride_q, int d_scale_stride_s,                    \
@@ -801,9 +886,10 @@ __device__ __forceinline__ void fp8_grouped_mm_wgrad_body(
       int scale_per_group,                                                                                    \
       const TensorMap* __restrict__ group_maps, /* wgrad_tile_order's: a_map, d_map a group (G x 2) */         \
       int* __restrict__ order /* wgrad_tile_order's (csrc/grouped_mm.cu) */) {                                \
-    fp8_grouped_mm_wgrad_body<CLAIMED>(a_map, d_map, out_map, a_scale, a_scale_stride_p, a_scale_stride_s,    \
-                                       d_scale, d_scale_stride_q, d_scale_stride_s, out_kind, offs, M, P, Q,  \
-                                       G, num_stages, scale_per_group, group_maps, order);                    \
+    fp8_grouped_mm_wgrad_body<CLAIMED>(a_map, d_map, a_side_map, d_side_map, out_map, a_scale,                \
+                                       a_scale_stride_p, a_scale_stride_s, d_scale, d_scale_stride_q,         \
+                                       d_scale_stride_s, out_kind, offs, M, P, Q, G, num_stages,              \
+                                       scale_per_group, group_maps, order);                                   \
   }
 
 FP8_WGRAD_KERNEL(fp8_grouped_mm_wgrad, false)

@@ -395,16 +395,6 @@ def test_kernel_scaled_wgrad_interpreter(recipe, aligned):
     exact = R.grouped_mm_wgrad(x.double(), d.double(), offs)
     assert out[0].abs().max() == 0  # the empty group
     assert (out.double() - exact).norm() / exact.norm() < 0.06
-    # Behind the Hopper CUDA kernel (which computes everything exactly when every group after
-    # the first starts at a multiple of 16 rows, and nothing otherwise), the kernel does the
-    # opposite: nothing on aligned starts, everything on the others.
-    out2 = torch.full((G, K, N), float("nan"))
-    kernels.scaled_grouped_mm_wgrad(xq[2], dq[2], xq[3], dq[3], offs, recipe, out2,
-                                    only_unaligned=True)
-    if aligned:
-        assert torch.isnan(out2).all()
-    else:
-        torch.testing.assert_close(out2, out, rtol=0, atol=0)
 
 
 def test_kernel_fp8_grouped_mm_autograd_interpreter():

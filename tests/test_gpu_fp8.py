@@ -351,15 +351,17 @@ def test_fp8_blockwise_cuda_op_opcheck():
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_rowwise"])
 @pytest.mark.parametrize("shape", [
     (4096, 2048, 1536, 32, 16, 32),  # routing padding: the CUDA kernel alone
-    (4096, 1024, 512, 32, 1, 37),    # groups start anywhere: the Triton kernel behind it
+    (4096, 1024, 512, 32, 1, 37),    # groups start anywhere: chunks shifted into place
+    (1000, 264, 136, 24, 1, 5),      # the same with part tiles, groups of about 40 rows
+    (300, 256, 256, 64, 1, 0),       # groups of a few rows, most shorter than their shift
     (4096, 1024, 512, 4, 16, 0),     # 1024 rows a group: 8 chunks a tile
     (1008, 2880, 2880, 6, 16, 8),    # P, Q not multiples of the 128 x 128 tile
     (256, 136, 264, 40, 16, 0),      # most groups empty
     (8192, 512, 768, 64, 16, 0),     # skewed groups of 24 tiles: claimed at run time (sm90.cuh)
 ])
 def test_fp8_cuda_wgrad_matches_reference_and_triton(shape, recipe, monkeypatch):
-    """The CUDA weight-gradient kernel (csrc/fp8_grouped_mm.cu) and its Triton complement
-    against the reference and the Triton kernel alone, fp32 and bf16, with no host sync."""
+    """The CUDA weight-gradient kernel (csrc/fp8_grouped_mm.cu) against the reference and the
+    Triton kernel, fp32 and bf16, with no host sync."""
     from compiled_moe.kernels import scaled_grouped_mm_sm90 as sm90
     M, P, Q, G, multiple, tail = shape
     torch.manual_seed(M + P)
@@ -391,8 +393,7 @@ def test_fp8_cuda_wgrad_matches_reference_and_triton(shape, recipe, monkeypatch)
 @pytest.mark.parametrize("offs", CORRUPT_OFFSETS)
 def test_fp8_cuda_kernels_corrupt_offsets(offs):
     """Decreasing offsets and offsets past M: the blockwise forward and the weight gradient's
-    CUDA kernels take the reference's group bounds (a running maximum of the clamped ends; the
-    starts are multiples of 16, so the CUDA weight-gradient kernel computes everything)."""
+    CUDA kernels take the reference's group bounds (a running maximum of the clamped ends)."""
     from compiled_moe.kernels import scaled_grouped_mm_sm90 as sm90
     _, K, N = CORRUPT_OFFSETS_SHAPE
     offs, x, w, d = corrupt_offsets_problem(offs, seed=12)

@@ -383,9 +383,9 @@ def test_activation_quantize_same_bits_as_the_python_kernel(dtype, activation, l
 @pytest.mark.parametrize("multiple", [16, 1])
 def test_scaled_wgrad_same_bits_as_the_python_kernel(recipe, multiple, monkeypatch):
     """scaled_grouped_mm_wgrad through csrc/host/fp8.cpp: the registered CUDA kernel is the
-    layer's; with groups on 16-row starts (the Hopper kernel's) and off them (the Triton kernel
-    after it), every output dtype, its outputs equal the op's Python kernel's bit for bit, and
-    the Python launcher's ctypes launch of the same Hopper kernel; no host sync."""
+    layer's; with groups on 16-row starts and off them, every output dtype, its outputs equal
+    the op's Python kernel's bit for bit, and the Python launcher's ctypes launch of the same
+    Hopper kernel's; no host sync."""
     from compiled_moe.kernels import scaled_grouped_mm_sm90 as sm90
     from compiled_moe.ops import fp8
 
@@ -403,9 +403,8 @@ def test_scaled_wgrad_same_bits_as_the_python_kernel(recipe, multiple, monkeypat
         with no_sync():
             got = torch.ops.compiled_moe.scaled_grouped_mm_wgrad(*args, out_dtype)
         assert torch.equal(got, fp8._scaled_grouped_mm_wgrad._kernel(*args, out_dtype)), out_dtype
-        if multiple == 16:  # the Hopper kernel computes it all: its ctypes launch
-            with monkeypatch.context() as m:
-                m.setattr(sm90.host_layer, "cuda_module", lambda: None)
-                want = torch.full(got.shape, float("nan"), device="cuda", dtype=out_dtype)
-                sm90.scaled_grouped_mm_wgrad(a_t, d_t, a_s, d_s, offs, recipe, want)
-            assert torch.equal(got, want), out_dtype
+        with monkeypatch.context() as m:  # the Hopper kernel's ctypes launch
+            m.setattr(sm90.host_layer, "cuda_module", lambda: None)
+            want = torch.full(got.shape, float("nan"), device="cuda", dtype=out_dtype)
+            sm90.scaled_grouped_mm_wgrad(a_t, d_t, a_s, d_s, offs, recipe, want)
+        assert torch.equal(got, want), out_dtype

@@ -182,7 +182,7 @@ def _scaled_grouped_mm_wgrad_kernel(
     G_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr, SCALE_MODE: tl.constexpr, SCALE_ROWS: tl.constexpr,
-    USE_TMA: tl.constexpr, DEQUANT_DTYPE: tl.constexpr, ONLY_UNALIGNED: tl.constexpr,
+    USE_TMA: tl.constexpr, DEQUANT_DTYPE: tl.constexpr,
 ):
     """out[g] (K, N) = a_g^T @ d_g from columnwise data a_t (K, M) and d_t (N, M).
 
@@ -211,12 +211,6 @@ def _scaled_grouped_mm_wgrad_kernel(
                                                     block_shape=[BLOCK_N, TAIL])
     CHUNK_SLOTS: tl.constexpr = BLOCK_M // 32 if SCALE_MODE == 2 else 1
     num_tiles = G * per_group
-    if ONLY_UNALIGNED:
-        # Behind the CUDA kernel, which computes everything when every group after the first
-        # starts at a multiple of 16 rows (the group bounds of csrc/fp8_grouped_mm.cu, which
-        # are these starts) and nothing otherwise: this kernel then does the opposite.
-        misaligned = tl.max(tl.where((g_vec >= 1) & (g_vec < G), starts % 16, 0), 0)
-        num_tiles = tl.where(misaligned == 0, 0, num_tiles)
     for tile in range(pid, num_tiles, NUM_SMS):
         g = tile // per_group
         local = tile % per_group
@@ -334,11 +328,8 @@ def scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe: str, out, bias=None)
     )
 
 
-def scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe: str, out,
-                            only_unaligned: bool = False) -> None:
-    """out[g] (K, N) = a_g^T @ d_g from columnwise e4m3 data a_t (K, M), d_t (N, M).
-    only_unaligned: write nothing unless a group after the first starts at a row that is not
-    a multiple of 16 (the CUDA kernel's complement, launched after it)."""
+def scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe: str, out) -> None:
+    """out[g] (K, N) = a_g^T @ d_g from columnwise e4m3 data a_t (K, M), d_t (N, M)."""
     K, M = a_t.shape
     N = d_t.shape[0]
     G = int(out.shape[0])
@@ -359,6 +350,6 @@ def scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe: str, out,
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
         NUM_SMS=num_programs, SCALE_MODE=SCALE_MODES[recipe],
         SCALE_ROWS=reference.fp8_column_block(recipe), USE_TMA=use_tma,
-        DEQUANT_DTYPE=_dequant_dtype(), ONLY_UNALIGNED=only_unaligned,
+        DEQUANT_DTYPE=_dequant_dtype(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

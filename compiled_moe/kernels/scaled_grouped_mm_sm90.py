@@ -26,6 +26,7 @@ _OUT_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _OUT_MAP_TYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "FLOAT16", torch.float32: "FLOAT32"}
 _TILE_BYTES = 128 * 128  # one 128 x 128 e4m3 tile
 _STAGE_BYTES = 2 * _TILE_BYTES
+_WGRAD_SIDE_BYTES = 2 * 128 * 16  # the weight gradient's side boxes of a stage (csrc: SIDE_BYTES)
 _SHARED_LIMIT = 227 * 1024
 
 
@@ -184,11 +185,12 @@ def wgrad_supported(a_t, d_t, recipe: str, num_groups: int) -> bool:
 
 
 def _wgrad_shared_bytes(num_groups: int, num_stages: int, out_dtype: torch.dtype) -> int:
-    # ring + the two consumers' 64 x 128 output staging + 1024 alignment slack + 3 x 8
-    # mbarriers + the tile queue + 256 scales per stage + 32 scan ints + 3 ints per group
+    # ring (tiles, side boxes, 256 scales a stage) + the two consumers' 64 x 128 output
+    # staging + 1024 alignment slack + 3 x 8 mbarriers + the tile queue + 32 scan ints + 3
+    # ints per group
     staging = 2 * 64 * 128 * out_dtype.itemsize
-    return (num_stages * (_STAGE_BYTES + 256 * 4) + staging + 1024 + 3 * 8 * 8 + TILE_QUEUE_BYTES
-            + 4 * (32 + 3 * num_groups))
+    return (num_stages * (_STAGE_BYTES + _WGRAD_SIDE_BYTES + 256 * 4) + staging + 1024 + 3 * 8 * 8
+            + TILE_QUEUE_BYTES + 4 * (32 + 3 * num_groups))
 
 
 def wgrad_stages(requested: int, num_groups: int, out_dtype: torch.dtype) -> int:
@@ -257,6 +259,9 @@ def scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe: str, out,
     m = max(M, 1)  # a tensor map needs a nonzero extent; M = 0 loads nothing
     a_map = native.tensor_map(a_t.data_ptr(), (m, P), (a_t.stride(0),), (128, 128))
     d_map = native.tensor_map(d_t.data_ptr(), (m, Q), (d_t.stride(0),), (128, 128))
+    # 16 rows past an unaligned group's window (csrc/fp8_grouped_mm.cu: shift_chunk)
+    a_side_map = native.tensor_map(a_t.data_ptr(), (m, P), (a_t.stride(0),), (16, 128), swizzle="NONE")
+    d_side_map = native.tensor_map(d_t.data_ptr(), (m, Q), (d_t.stride(0),), (16, 128), swizzle="NONE")
     es = out.element_size()
     out_map = native.tensor_map(out.data_ptr(), (Q, P, G), (out.stride(1) * es, out.stride(0) * es),
                                 (128 // es, 64, 1), _OUT_MAP_TYPES[out.dtype])
@@ -264,7 +269,7 @@ def scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe: str, out,
     launch_wgrad(
         "fp8_grouped_mm", "fp8_grouped_mm_wgrad", plan.grid, plan.shared_bytes, offs, M, G,
         plan.tiles_per_group, 128, plan.claim_steps, 0, dev,
-        a_map, d_map, out_map,
+        a_map, d_map, a_side_map, d_side_map, out_map,
         a_scale, i64(a_scale.stride(0)), i32(a_scale.stride(1)),
         d_scale, i64(d_scale.stride(0)), i32(d_scale.stride(1)),
         i32(_OUT_KINDS[out.dtype]), offs, i32(M), i32(P), i32(Q), i32(G), i32(plan.num_stages),

@@ -453,20 +453,12 @@ def _check_scaled_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype) -> 
 def _register_host_scaled_wgrad(module) -> list[str]:
     """The C++ host layer's scaled_grouped_mm_wgrad CUDA kernel (csrc/host/fp8.cpp): checks and
     the Hopper kernel's launch (its plan asked of scaled_grouped_mm_sm90.host_wgrad_plan once per
-    shape), then the Triton kernel for groups off 16-row starts, launched from here as
-    _run_fp8_grouped_mm_wgrad_sm90 launches it; the op's Python kernel serves the rest."""
+    shape); the op's Python kernel serves the rest."""
     from compiled_moe import native
 
     if not (module.has_cuda and native.available()):
         return []
-
-    @launching_triton_directly
-    def unaligned_groups(a_t, d_t, a_scale, d_scale, offs, recipe, out):
-        _kernels()[1].scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out,
-                                              only_unaligned=True)
-
     return module.register_scaled_grouped_mm_wgrad(lambda *args: _sm90().host_wgrad_plan(*args),
-                                                   unaligned_groups,
                                                    lambda *args: _scaled_grouped_mm_wgrad._kernel(*args))
 
 
@@ -504,11 +496,7 @@ def _check_sm90_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype) -> No
 
 
 # The CUDA weight-gradient kernel of csrc/fp8_grouped_mm.cu (fp8_blockwise and fp8_rowwise on
-# Hopper), opaque for the same reason as the forward's, with the same checks. It computes
-# everything when every group after the first starts at a multiple of 16 rows (TMA's rule) and
-# nothing otherwise; the Triton kernel launched after it tests the same condition on offs, on
-# the device, and does the opposite, so neither the host nor the graph needs to know which case
-# it is (no sync).
+# Hopper), opaque for the same reason as the forward's, with the same checks.
 @kernel_op("fp8_grouped_mm_wgrad_sm90", autograd="none")
 @on_tensor_device
 def _fp8_grouped_mm_wgrad_sm90(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scale: Tensor,
@@ -524,9 +512,7 @@ def _fp8_grouped_mm_wgrad_sm90(a_t: Tensor, d_t: Tensor, a_scale: Tensor, d_scal
         return out.zero_()
     if sm90.aligned(a_t, d_t, out):
         sm90.scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out)
-        _kernels()[1].scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out,
-                                              only_unaligned=True)
-    else:  # an unaligned view: the Triton kernel alone
+    else:  # an unaligned view: the Triton kernel
         _kernels()[1].scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out)
     return out
 

@@ -57,6 +57,7 @@ struct TensorMapHash {
     for (auto v : k.box) mix(v);
     mix(k.rank);
     mix(static_cast<uint64_t>(k.data_type));
+    mix(static_cast<uint64_t>(k.swizzle));
     return h;
   }
 };
@@ -92,7 +93,7 @@ CUstream current_stream(int device) {
 
 bool TensorMapKey::operator==(const TensorMapKey& o) const {
   return address == o.address && dims == o.dims && strides == o.strides && box == o.box &&
-         rank == o.rank && data_type == o.data_type;
+         rank == o.rank && data_type == o.data_type && swizzle == o.swizzle;
 }
 
 CUtensorMap tensor_map(const TensorMapKey& key) {
@@ -112,7 +113,7 @@ CUtensorMap tensor_map(const TensorMapKey& key) {
   }
   CUresult result = driver().tensor_map_encode_tiled(
       &map, key.data_type, key.rank, reinterpret_cast<void*>(key.address), dims, strides, box,
-      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, key.swizzle,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (result != CUDA_SUCCESS) {
     check_cuda(result, (std::string("cuTensorMapEncodeTiled for dims (") + std::to_string(key.dims[0]) +

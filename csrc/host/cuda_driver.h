@@ -26,9 +26,9 @@ void ensure_context(int device);
 // torch's current stream on `device`, through c10's device-guard interface (libc10 only).
 CUstream current_stream(int device);
 
-// A tiled TMA descriptor with the 128-byte swizzle over `rank` dimensions (innermost first),
-// byte strides of dims[1..rank), box in elements; cached by all of its parameters (a step
-// reuses its buffers: 0.14 against 5.5 us to encode, H200 host).
+// A tiled TMA descriptor over `rank` dimensions (innermost first), byte strides of
+// dims[1..rank), box in elements, the 128-byte swizzle unless told otherwise; cached by all of
+// its parameters (a step reuses its buffers: 0.14 against 5.5 us to encode, H200 host).
 struct TensorMapKey {
   uint64_t address;
   std::array<uint64_t, 3> dims;
@@ -36,6 +36,7 @@ struct TensorMapKey {
   std::array<uint32_t, 3> box;
   uint32_t rank;
   CUtensorMapDataType data_type;
+  CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B;
   bool operator==(const TensorMapKey& o) const;
 };
 CUtensorMap tensor_map(const TensorMapKey& key);

@@ -490,10 +490,6 @@ pybind11::object& wgrad_plan() {  // kernels/scaled_grouped_mm_sm90.py's host_wg
   static pybind11::object* fn = new pybind11::object();
   return *fn;
 }
-pybind11::object& wgrad_unaligned_groups() {  // the Triton kernel for groups off 16-row starts
-  static pybind11::object* fn = new pybind11::object();
-  return *fn;
-}
 pybind11::object& wgrad_python_kernel() {  // scaled_grouped_mm_wgrad's Python kernel
   static pybind11::object* fn = new pybind11::object();
   return *fn;
@@ -516,8 +512,12 @@ void launch_fp8_wgrad_sm90(const at::Tensor& a_t, const at::Tensor& d_t, const a
   const int device = a_t.device().index();
   ensure_context(device);
   const uint64_t m_extent = std::max<int64_t>(M, 1);  // a tensor map needs a nonzero extent; M = 0 loads nothing
-  CUtensorMap a_map = map2d(reinterpret_cast<uint64_t>(a_t.data_ptr()), m_extent, P, a_t.stride(0), 128, 128);
-  CUtensorMap d_map = map2d(reinterpret_cast<uint64_t>(d_t.data_ptr()), m_extent, Q, d_t.stride(0), 128, 128);
+  const uint64_t a_ptr = reinterpret_cast<uint64_t>(a_t.data_ptr()), d_ptr = reinterpret_cast<uint64_t>(d_t.data_ptr());
+  CUtensorMap a_map = map2d(a_ptr, m_extent, P, a_t.stride(0), 128, 128);
+  CUtensorMap d_map = map2d(d_ptr, m_extent, Q, d_t.stride(0), 128, 128);
+  // 16 rows past an unaligned group's window (csrc/fp8_grouped_mm.cu: shift_chunk)
+  CUtensorMap a_side_map = map2d(a_ptr, m_extent, P, a_t.stride(0), 16, 128, CU_TENSOR_MAP_SWIZZLE_NONE);
+  CUtensorMap d_side_map = map2d(d_ptr, m_extent, Q, d_t.stride(0), 16, 128, CU_TENSOR_MAP_SWIZZLE_NONE);
   const int64_t es = out.element_size();
   CUtensorMap out_map = tensor_map({reinterpret_cast<uint64_t>(out.data_ptr()), {uint64_t(Q), uint64_t(P), uint64_t(G)},
                                     {uint64_t(out.stride(1) * es), uint64_t(out.stride(0) * es)},
@@ -536,19 +536,17 @@ void launch_fp8_wgrad_sm90(const at::Tensor& a_t, const at::Tensor& d_t, const a
   void* order_args[] = {&offs_p, &m, &g, &tiles, &rows_per_step, &claim_steps, &grid, &order_p, &a_map, &d_map,
                         &maps_p, &row_dim};
   launch(device, plan.tile_order, 1, 256, kOrderScratchBytes, order_args);
-  void* args[] = {&a_map, &d_map, &out_map, &a_scale_p, &a_scale_0, &a_scale_1, &d_scale_p, &d_scale_0, &d_scale_1,
-                  &kind,  &offs_p, &m,     &p,         &q,         &g,         &stages, &rowwise, &maps_p, &order_p};
+  void* args[] = {&a_map, &d_map,     &a_side_map, &d_side_map, &out_map, &a_scale_p, &a_scale_0,
+                  &a_scale_1, &d_scale_p, &d_scale_0, &d_scale_1, &kind, &offs_p, &m, &p, &q, &g, &stages,
+                  &rowwise, &maps_p, &order_p};
   launch(device, plan.function, plan.grid, kHopperThreads, plan.shared_bytes, args);
   launch(device, plan.claimed, plan.grid, kHopperThreads, plan.shared_bytes, args);
 }
 
 namespace {
 
-// torch.ops.compiled_moe.scaled_grouped_mm_wgrad's CUDA kernel: the Hopper kernel computes
-// every group when each starts on a 16-row boundary (TMA's rule) and nothing otherwise; the
-// Triton kernel launched after it (from Python) tests the same on the device and does the
-// opposite, so the host never needs to know which it is (ops/fp8.py's
-// _run_fp8_grouped_mm_wgrad_sm90).
+// torch.ops.compiled_moe.scaled_grouped_mm_wgrad's CUDA kernel: the Hopper kernel where it
+// applies (every group, wherever it starts), else the op's Python kernel.
 at::Tensor scaled_grouped_mm_wgrad_cuda(const at::Tensor& a_t, const at::Tensor& d_t, const at::Tensor& a_scale,
                                         const at::Tensor& d_scale, const at::Tensor& offs, const std::string& recipe,
                                         std::optional<c10::ScalarType> out_dtype) {
@@ -569,8 +567,6 @@ at::Tensor scaled_grouped_mm_wgrad_cuda(const at::Tensor& a_t, const at::Tensor&
     return wgrad_python_kernel()(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype).cast<at::Tensor>();
   }
   launch_fp8_wgrad_sm90(a_t, d_t, a_scale, d_scale, offs, recipe == kRecipes[0], out, *plan);
-  pybind11::gil_scoped_acquire gil;
-  wgrad_unaligned_groups()(a_t, d_t, a_scale, d_scale, offs, recipe, out);
   return out;
 }
 
@@ -889,14 +885,11 @@ std::vector<std::string> register_scaled_grouped_mm(pybind11::object plan, pybin
 
 // compiled_moe::scaled_grouped_mm_wgrad's CUDA kernel: plan(a_t, d_t, recipe, out_dtype,
 // num_groups) gives the Hopper kernel's plan (fp8_blockwise, fp8_rowwise), or None;
-// unaligned_groups(a_t, d_t, a_scale, d_scale, offs, recipe, out) launches the Triton kernel for
-// groups off 16-row starts after it; python_kernel(a_t, d_t, a_scale, d_scale, offs, recipe,
-// out_dtype) serves the rest. Returns the dispatch keys registered.
-std::vector<std::string> register_scaled_grouped_mm_wgrad(pybind11::object plan, pybind11::object unaligned_groups,
-                                                          pybind11::object python_kernel_fn) {
+// python_kernel(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype) serves the rest. Returns the
+// dispatch keys registered.
+std::vector<std::string> register_scaled_grouped_mm_wgrad(pybind11::object plan, pybind11::object python_kernel_fn) {
 #ifdef COMPILED_MOE_CUDA
   wgrad_plan() = std::move(plan);
-  wgrad_unaligned_groups() = std::move(unaligned_groups);
   wgrad_python_kernel() = std::move(python_kernel_fn);
   library().impl("scaled_grouped_mm_wgrad",
                  torch::dispatch(c10::DispatchKey::CUDA, TORCH_FN(scaled_grouped_mm_wgrad_cuda)));

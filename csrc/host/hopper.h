@@ -31,9 +31,10 @@ inline CUtensorMapDataType out_map_type(c10::ScalarType t) {
 
 // A 2-D map of rows of bytes (the operands are read as bytes: 2 a bf16/fp16 element, 1 an e4m3).
 inline CUtensorMap map2d(uint64_t address, uint64_t cols_bytes, uint64_t rows, uint64_t row_stride_bytes,
-                         uint32_t box_cols, uint32_t box_rows) {
+                         uint32_t box_cols, uint32_t box_rows,
+                         CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
   return tensor_map({address, {cols_bytes, rows, 0}, {row_stride_bytes, 0}, {box_cols, box_rows, 0}, 2,
-                     CU_TENSOR_MAP_DATA_TYPE_UINT8});
+                     CU_TENSOR_MAP_DATA_TYPE_UINT8, swizzle});
 }
 
 // TMA: base addresses (and strides, which the ops' supported() checks) of 16-byte multiples.
