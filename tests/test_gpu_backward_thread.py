@@ -81,7 +81,9 @@ w1 = (torch.randn(16, 768, 1024, device=dev) / 32).bfloat16().requires_grad_()
 w2 = (torch.randn(16, 1024, 384, device=dev) / 20).bfloat16().requires_grad_()
 dy = torch.randn(1, 1024, device=dev, dtype=torch.bfloat16)
 out = cm.moe_experts(hidden, ids, weights, w1, w2)
-assert "ExpertsBlockFunction" in out.grad_fn.name()
+from compiled_moe import host
+if host.cuda_module() is not None:  # (COMPILED_MOE_HOST=0: the Python composition's backward)
+    assert "ExpertsBlockFunction" in out.grad_fn.name()
 out.backward(dy)
 leaves = [t.detach().double().cpu().requires_grad_() for t in (hidden, weights, w1, w2)]
 cm.moe_experts(leaves[0], ids.cpu(), *leaves[1:], fused=False).backward(dy.double().cpu())
