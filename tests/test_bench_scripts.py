@@ -24,3 +24,21 @@ def test_eager_op_table_calls_every_op():
                "fp8_grouped_mm (weight cached)", "fp8_grouped_mm fwd+bwd (weight cached)"):
         assert op in names
     assert all(r["host_us"] > 0 for r in rows)
+
+
+def test_wgrad_unaligned_problems():
+    """benchmarks/tools/bench_wgrad_unaligned.py's cases: groups off 16-row starts and the same
+    counts rounded up to 16 rows, each a valid weight-gradient call."""
+    import torch
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "benchmarks", "tools"))
+    import bench_wgrad_unaligned
+    from common import ModelShape
+
+    model = ModelShape("tiny", 0, 2, 6, 256, 64)
+    problems = bench_wgrad_unaligned.problems(model, 300, device="cpu")
+    starts = {name: p[4][:-1] for name, p in problems.items()}
+    assert (starts["unaligned"] % 16 != 0).any() and (starts["aligned"] % 16 == 0).all()
+    for args in problems.values():  # the op's checks pass, and the output is the gradient's shape
+        assert torch.ops.compiled_moe.scaled_grouped_mm_wgrad(*args, torch.float32).shape == (6, 256, 128)
