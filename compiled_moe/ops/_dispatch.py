@@ -78,7 +78,7 @@ class KernelOp:
     def __init__(self, name: str, body):
         self.qualname, self._body = f"compiled_moe::{name}", body
         self.host_keys = frozenset()  # dispatch keys whose kernels the C++ host layer registered
-        self._kernel = launching_triton_directly(body)
+        self._kernel = _launching_triton_directly(body)
         functools.update_wrapper(self, body)
 
     def __call__(self, *args, **kwargs):
@@ -191,7 +191,7 @@ def host_layer():
     return host.module()
 
 
-def launching_triton_directly(body):
+def _launching_triton_directly(body):
     """body with ``wrap_triton`` launching its kernels directly: a device kernel of the
     dispatcher only ever sees real tensors, and wrap_triton's dispatch through its higher-order
     op costs host time (torch's triton_op does the same)."""

@@ -30,7 +30,6 @@ from compiled_moe.ops._dispatch import (
     check_same_device,
     check_tensor,
     kernel_op,
-    launching_triton_directly,
     on_tensor_device,
     use_kernel,
 )
