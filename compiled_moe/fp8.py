@@ -210,9 +210,9 @@ def fp8_grouped_mm(a: Tensor, b: Tensor, offs: Tensor, *, recipe: str = "fp8_blo
             usually the ``transpose(-2, -1)`` view of a (G, N, K) nn.Linear-style weight (the
             master weight, kept in its own dtype). Its gradient comes back in its dtype.
         offs: int32 (G,), cumulative end row of each group. Group starts that are multiples of
-            16 rows let the Hopper weight-gradient kernel run (route with ``pad_multiple=16``);
-            otherwise a Triton kernel computes it, at about 0.3x that speed (fp8_blockwise; the
-            forward+backward took 1.25-1.6x the padded time on the H200). Multiples of 32 also
+            16 rows are the Hopper weight-gradient kernel's fast case (route with
+            ``pad_multiple=16``); it takes other starts too, shifting each chunk into place, in
+            1.20-1.55x the time of the same counts padded (fp8_blockwise, H200). Multiples of 32 also
             let the columnwise quantizer write whole sectors, worth the padding where groups
             are large (``kernels.configs.fp8_group_rows``).
         recipe: ``fp8_blockwise`` (1x128 activations and gradients, 128x128 weights: the
