@@ -137,7 +137,9 @@ def fwd_bwd(block, x):
 
 
 def ep(group, **kw):
-    return lambda h, i, w, w1, w2: ep_moe_experts(h, i, w, w1, w2, ep_group=group, **kw)
+    """ep_moe_experts over ``group``; every rank passes the same T here, which is the bound."""
+    return lambda h, i, w, w1, w2: ep_moe_experts(h, i, w, w1, w2, ep_group=group,
+                                                  max_tokens=h.shape[0], **kw)
 
 
 def titan_style(group, num_experts):
@@ -228,7 +230,7 @@ def main():
         record("a", "Qwen3-30B-A3B", "plain block (moe_experts)", plain)
         variants = {
             f"moe_experts(ep_group) sync-free f={f}": lambda *a: cm.moe_experts(
-                *a, ep_group=group, ep_capacity_factor=f),
+                *a, ep_group=group, ep_capacity_factor=f, ep_max_tokens=T),
             "moe_experts(ep_group) exact": lambda *a: cm.moe_experts(
                 *a, ep_group=group, ep_capacity_factor=None),
             f"ep_moe_experts sync-free f={f} N=1 (NCCL exchanges)": ep(group, capacity_factor=f,

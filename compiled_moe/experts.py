@@ -95,7 +95,8 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
                 alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT,
                 fp8_recipe: str | None = None, fused: bool | None = None,
                 fp8_weights: tuple | None = None, ep_group=None,
-                ep_capacity_factor: float | None = 1.25, ep_num_chunks: int | None = None):
+                ep_capacity_factor: float | None = 1.25, ep_max_tokens: int | None = None,
+                ep_num_chunks: int | None = None):
     """Run every token through its top-k experts and sum the outputs with the routing weights.
 
     ``out[t] = sum_s topk_weights[t, s] * FC2_e(act(FC1_e(hidden[t])))`` with e = topk_ids[t, s].
@@ -136,8 +137,11 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
             experts (rank r: [r * E/P, (r+1) * E/P)) as w1, w2, b1, b2; see
             docs/expert_parallel.md and :func:`compiled_moe.distributed.ep_moe_experts`.
         ep_capacity_factor: with ep_group, a float for the sync-free mode (rows per rank pair
-            ``ceil(factor * T * k / P)``, pairs past it dropped and counted) or None for the
-            exact mode (no drops, one host sync per call).
+            ``ceil(factor * ep_max_tokens * k / P)``, pairs past it dropped and counted) or
+            None for the exact mode (no drops, one host sync per call).
+        ep_max_tokens: with ep_group in the sync-free mode (required there), the most tokens
+            any rank passes in one call, the same on every rank: the exchange sizes derive
+            from it, so ranks may pass different T (a rank past it drops more, counted).
         ep_num_chunks: with ep_group, the chunks of the exchange/GEMM pipeline (default 2
             over several ranks).
 
@@ -150,7 +154,8 @@ def moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tens
         from compiled_moe.distributed.experts import ep_block
 
         return ep_block(hidden, topk_ids, topk_weights, w1, w2, ep_group=ep_group,
-                        capacity_factor=ep_capacity_factor, num_chunks=ep_num_chunks,
+                        capacity_factor=ep_capacity_factor, max_tokens=ep_max_tokens,
+                        num_chunks=ep_num_chunks,
                         activation=activation, gate_up_layout=gate_up_layout, b1=b1, b2=b2,
                         alpha=alpha, limit=limit, fp8_recipe=fp8_recipe, fused=fused,
                         fp8_weights=fp8_weights)

@@ -97,8 +97,9 @@ class MoEExperts(nn.Module):
     Expert parallelism: with ``ep_group`` (a ProcessGroup of P ranks) ``num_experts`` is the
     global count E and this module holds rank r's experts [r * E/P, (r+1) * E/P) (parameters
     of E/P experts); forward takes this rank's tokens with global ids and returns their
-    outputs. ``ep_capacity_factor`` and ``ep_num_chunks`` are moe_experts'; the pairs dropped
-    by the last forward are in ``self.dropped`` (int64 () device tensor).
+    outputs. ``ep_capacity_factor``, ``ep_max_tokens`` (required by the sync-free mode: the most
+    tokens any rank passes to one forward) and ``ep_num_chunks`` are moe_experts'; the pairs
+    dropped by the last forward are in ``self.dropped`` (int64 () device tensor).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
@@ -106,7 +107,7 @@ class MoEExperts(nn.Module):
                  weights_transposed: bool = False, alpha: float = GPT_OSS_ALPHA,
                  limit: float = GPT_OSS_LIMIT, fp8_recipe: str | None = None, device=None,
                  dtype=None, ep_group=None, ep_capacity_factor: float | None = 1.25,
-                 ep_num_chunks: int | None = None):
+                 ep_max_tokens: int | None = None, ep_num_chunks: int | None = None):
         super().__init__()
         # Checked here rather than at the first forward.
         if activation not in ACTIVATIONS:
@@ -119,12 +120,16 @@ class MoEExperts(nn.Module):
         kw = dict(device=device, dtype=dtype)
         n1 = 2 * intermediate_size if activation in GATED_ACTIVATIONS else intermediate_size
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.ep_group, self.ep_capacity_factor, self.ep_num_chunks = ep_group, ep_capacity_factor, ep_num_chunks
+        self.ep_group, self.ep_capacity_factor = ep_group, ep_capacity_factor
+        self.ep_max_tokens, self.ep_num_chunks = ep_max_tokens, ep_num_chunks
         self.dropped = None
         if ep_group is not None:
-            from compiled_moe.distributed.dispatch import check_group, check_num_experts
+            from compiled_moe.distributed.dispatch import (check_group, check_mode,
+                                                           check_num_experts)
 
             check_num_experts(num_experts, check_group(ep_group))
+            check_mode(ep_capacity_factor, 1 if ep_num_chunks is None else ep_num_chunks,
+                       ep_max_tokens)
             num_experts //= ep_group.size()  # the experts this rank holds
         self.activation, self.gate_up_layout = activation, gate_up_layout
         self.weights_transposed = weights_transposed
@@ -165,7 +170,7 @@ class MoEExperts(nn.Module):
         if self.ep_group is None:
             return {}
         return dict(ep_group=self.ep_group, ep_capacity_factor=self.ep_capacity_factor,
-                    ep_num_chunks=self.ep_num_chunks)
+                    ep_max_tokens=self.ep_max_tokens, ep_num_chunks=self.ep_num_chunks)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
@@ -173,4 +178,5 @@ class MoEExperts(nn.Module):
                 f"gate_up_layout={self.gate_up_layout}, bias={self.gate_up_proj_bias is not None}, "
                 f"weights_transposed={self.weights_transposed}, fp8_recipe={self.fp8_recipe}"
                 + (f", ep_size={self.ep_group.size()}, ep_capacity_factor="
-                   f"{self.ep_capacity_factor}" if self.ep_group is not None else ""))
+                   f"{self.ep_capacity_factor}, ep_max_tokens={self.ep_max_tokens}"
+                   if self.ep_group is not None else ""))

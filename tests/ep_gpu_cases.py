@@ -58,7 +58,7 @@ def mine(p):
 
 def ep_step(x, dy, **kw):
     out, dropped = ep_moe_experts(x["hidden"], x["topk_ids"], x["topk_weights"], x["w1"],
-                                  x["w2"], ep_group=world_group(), **kw)
+                                  x["w2"], ep_group=world_group(), max_tokens=TOKENS, **kw)
     wrt = [x[n] for n in ("hidden", "topk_weights", "w1", "w2")]
     return (out, dropped, *torch.autograd.grad(out, wrt, grad_outputs=dy))
 
@@ -95,7 +95,8 @@ def matches_plain(capacity_factor, num_chunks):
     # moe_experts(ep_group=...): over one rank it is the plain block on this rank's tokens.
     x = mine(p)
     out, dropped = cm.moe_experts(x["hidden"], x["topk_ids"], x["topk_weights"], x["w1"], x["w2"],
-                                  ep_group=world_group(), ep_capacity_factor=capacity_factor)
+                                  ep_group=world_group(), ep_capacity_factor=capacity_factor,
+                                  ep_max_tokens=TOKENS)
     assert_near(out, want[0], "moe_experts(ep_group)")
     return True
 
@@ -109,7 +110,8 @@ def overflow_matches_masked_plain(capacity_factor=0.5):
     # The kept pairs of every rank: gathered so the plain block can run on the global routing.
     from compiled_moe.distributed import plan_exchange
 
-    plan = plan_exchange(x["topk_ids"], EXPERTS, world_group(), capacity_factor, 2)
+    plan = plan_exchange(x["topk_ids"], EXPERTS, world_group(), capacity_factor, 2,
+                         max_tokens=TOKENS)
     kept = torch.empty(p["topk_ids"].shape, dtype=torch.uint8, device=p["topk_ids"].device)
     dist.all_gather_into_tensor(kept, (plan.row_of >= 0).to(torch.uint8))
     kept = kept.bool()
@@ -127,7 +129,8 @@ def no_host_sync(num_chunks):
     x = mine(p)
     with no_sync():
         ep_step(x, rows(p["dy"]), capacity_factor=1.5, num_chunks=num_chunks)
-        d = ep_dispatch(x["hidden"], x["topk_ids"], EXPERTS, world_group(), capacity_factor=1.5)
+        d = ep_dispatch(x["hidden"], x["topk_ids"], EXPERTS, world_group(), capacity_factor=1.5,
+                        max_tokens=TOKENS)
         out = ep_combine(d.x * 2, x["topk_weights"], d)
         out.backward(rows(p["dy"]))
     return True
@@ -176,7 +179,7 @@ def compiled_matches_eager(num_chunks=2):
 
     def step(hidden, ids, weights, w1, w2):
         return ep_moe_experts(hidden, ids, weights, w1, w2, ep_group=group,
-                              capacity_factor=1.25, num_chunks=num_chunks)
+                              capacity_factor=1.25, max_tokens=TOKENS, num_chunks=num_chunks)
 
     compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
     frames = []

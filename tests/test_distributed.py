@@ -47,6 +47,34 @@ def test_overflow_dropped_and_counted(pool, capacity_factor, num_chunks, invalid
     assert totals[0] > 0, "the case should overflow"
 
 
+# Different token counts on every rank, one rank with none: sync-free (its exchange sizes come
+# from ep_max_tokens, never from T) and exact, one chunk and several, through moe_experts and
+# ep_moe_experts.
+@pytest.mark.parametrize("capacity_factor,num_chunks,fn", [
+    ("P", 1, "moe_experts"), ("P", 2, "ep_moe_experts"), (None, 1, "moe_experts"),
+    (None, 2, "ep_moe_experts")])
+def test_ragged_tokens(pool, capacity_factor, num_chunks, fn):
+    pool.run("ragged_tokens", capacity_factor=capacity_factor, num_chunks=num_chunks, fn=fn)
+
+
+@pytest.mark.parametrize("capacity_factor,num_chunks", [(0.5, 1), (0.75, 2)])
+def test_ragged_tokens_overflow(pool, capacity_factor, num_chunks):
+    tokens = [3 + 4 * r for r in range(pool.world_size)]
+    totals = pool.run("overflow", capacity_factor=capacity_factor, num_chunks=num_chunks,
+                      tokens=tokens)
+    assert totals[0] > 0, "the case should overflow"
+
+
+def test_ranks_past_the_bound(pool):
+    totals = pool.run("past_the_bound")
+    assert totals[0] > 0, "the ranks past the bound should drop pairs"
+
+
+@pytest.mark.parametrize("what", ["width", "dtype", "experts"])
+def test_exact_mode_rejects_mismatch_on_every_rank(pool, what):
+    pool.run("exact_mode_rejects_mismatch", what=what)
+
+
 def test_exact_mode_rejects_bad_ids_on_every_rank(pool):
     pool.run("exact_mode_rejects_bad_ids")
 

@@ -13,16 +13,21 @@ chunk's GEMMs run. A destination's pairs fill its rows in flat pair order (t * k
 Two modes, told apart by ``capacity_factor``:
 
 * sync-free (a float): every (source, destination) rank pair gets ``capacity`` rows,
-  ``ceil(capacity_factor * T * k / P)`` rounded up to a multiple of the chunk count. Exchanges
-  have fixed sizes, every count and offset stays on the device, CUDA graphs capture it. Pairs
-  past a destination's capacity are dropped: for each destination, the pairs of this rank in
+  ``ceil(capacity_factor * max_tokens * k / P)`` rounded up to a multiple of the chunk count,
+  where ``max_tokens`` is a static bound on any rank's token count, the same on every rank.
+  The exchange sizes therefore never depend on this rank's T: ranks with different token
+  counts agree on every exchange without telling each other. Exchanges have fixed sizes,
+  every count and offset stays on the device, CUDA graphs capture it. Pairs past a
+  destination's capacity are dropped (a rank with more than ``max_tokens`` tokens only drops
+  more): for each destination, the pairs of this rank in
   ascending flat order (token, then slot) take the rows, and those after the first
   ``capacity`` get none. Pairs whose expert id lies outside [0, E) are dropped too. Dropped
   pairs contribute zero to the output (and get zero gradient); their number comes back as a
   device tensor. Unused rows are zero and carry local expert id -1.
 * exact (None): no pair is dropped. Each rank's count per destination is exchanged and read
   on the host (one sync), and exchanges carry exactly the rows sent. Expert ids outside
-  [0, E) raise ValueError, on every rank of the group alike (the counts carry them).
+  [0, E), and a hidden width, dtype or expert count that differs between ranks, raise
+  ValueError on every rank of the group alike (the counts carry them) before any row moves.
 """
 
 from __future__ import annotations
@@ -64,15 +69,16 @@ class ExchangePlan(NamedTuple):
     recv_rows: list
 
 
-def capacity_rows(num_tokens, top_k: int, group_size: int, capacity_factor: float,
-                  num_chunks: int = 1):
+def capacity_rows(max_tokens: int, top_k: int, group_size: int, capacity_factor: float,
+                  num_chunks: int = 1) -> int:
     """Rows per (source, destination) rank pair of the sync-free mode:
-    ``ceil(capacity_factor * T * k / P)``, rounded up to a multiple of ``num_chunks``.
-    ``capacity_factor`` counts in thousandths."""
+    ``ceil(capacity_factor * max_tokens * k / P)``, rounded up to a multiple of ``num_chunks``.
+    ``capacity_factor`` counts in thousandths. Every argument is the same on every rank of the
+    group (the model's configuration), so every rank sizes the exchanges alike."""
     # as_integer_ratio: torch.compile specializes the factor (a guarded constant of the graph)
     # where arithmetic on it would trace a symbolic float into the exchange sizes.
     numerator, denominator = capacity_factor.as_integer_ratio()
-    scaled = num_tokens * top_k * round(numerator * _CAPACITY_FACTOR_SCALE / denominator)
+    scaled = max_tokens * top_k * round(numerator * _CAPACITY_FACTOR_SCALE / denominator)
     per_pair = (scaled + group_size * _CAPACITY_FACTOR_SCALE - 1) // (
         group_size * _CAPACITY_FACTOR_SCALE)
     return (per_pair + num_chunks - 1) // num_chunks * num_chunks
@@ -103,14 +109,29 @@ def check_backend(group, t: Tensor, name: str) -> None:
                          "NCCL for CUDA tensors and gloo for CPU tensors")
 
 
-def check_mode(capacity_factor, num_chunks) -> None:
-    if capacity_factor is not None:
+def check_mode(capacity_factor, num_chunks, max_tokens) -> None:
+    """The mode's arguments; they depend on no data, so every rank of a group raises alike and
+    before any collective. Traced (torch.compile), only the bound's presence is checked: the
+    other checks read the numbers, which may be symbolic there, and eager calls made them."""
+    if capacity_factor is not None and not torch.compiler.is_compiling():
         if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
             raise TypeError(f"capacity_factor must be a float (sync-free mode) or None (exact "
                             f"mode), got {type(capacity_factor).__name__}")
         if not math.isfinite(capacity_factor) or capacity_factor * _CAPACITY_FACTOR_SCALE < 1:
             raise ValueError(f"capacity_factor must be finite and at least "
                              f"{1 / _CAPACITY_FACTOR_SCALE}, got {capacity_factor}")
+    if capacity_factor is not None and max_tokens is None:
+        raise ValueError(
+            f"the sync-free mode (capacity_factor={capacity_factor}) needs max_tokens "
+            "(ep_max_tokens), the most tokens any rank of the group passes in one call, the "
+            "same on every rank: the exchange sizes derive from it, so that ranks with "
+            "different token counts agree on them; or pass capacity_factor=None for the "
+            "exact mode")
+    if torch.compiler.is_compiling():
+        return
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or max_tokens < 1):
+        raise ValueError(f"max_tokens (ep_max_tokens) must be a positive int, got {max_tokens!r}")
     if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
         raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
 
@@ -173,22 +194,26 @@ def _place_pairs(topk_ids: Tensor, num_experts: int, group_size: int, quota: Ten
 
 
 def plan_exchange(topk_ids: Tensor, num_experts: int, group, capacity_factor: float | None,
-                  num_chunks: int = 1) -> ExchangePlan:
+                  num_chunks: int = 1, *, max_tokens: int | None = None,
+                  hidden: Tensor | None = None) -> ExchangePlan:
     """The send rows of this rank's routed pairs and the exchanges' splits.
 
     Args:
         topk_ids: (T, k) int32/int64 global expert ids.
         num_experts: E over the whole group; a multiple of the group size.
         group: the expert-parallel ProcessGroup (P ranks).
-        capacity_factor: float for the sync-free mode (every rank must then pass the same T),
-            None for the exact mode (one host sync).
+        capacity_factor: float for the sync-free mode, None for the exact mode (one host sync).
         num_chunks: exchanges the rows are split into (the pipeline's chunks).
+        max_tokens: the sync-free mode's static bound on any rank's T, the same on every rank
+            (the exchange sizes derive from it); ignored by the exact mode.
+        hidden: (T, H), the rows that will be exchanged: the exact mode checks that every rank
+            has the same H, dtype and num_experts (raising on every rank alike).
     """
     group_size = group.size()
-    num_tokens, top_k = topk_ids.shape
+    top_k = topk_ids.shape[1]
     dev = topk_ids.device
     if capacity_factor is not None:
-        capacity = capacity_rows(num_tokens, top_k, group_size, capacity_factor, num_chunks)
+        capacity = capacity_rows(max_tokens, top_k, group_size, capacity_factor, num_chunks)
         quota = torch.full((group_size,), capacity, device=dev, dtype=torch.int64)
         num_rows = group_size * capacity
         row_of, source, local, dropped = _place_pairs(topk_ids, num_experts, group_size, quota,
@@ -200,24 +225,7 @@ def plan_exchange(topk_ids: Tensor, num_experts: int, group, capacity_factor: fl
     if torch.compiler.is_compiling():
         raise ValueError("the exact mode (capacity_factor=None) reads the exchange sizes on the "
                          "host, which a compiled graph cannot; pass a capacity_factor")
-    # Exact: exchange the per-destination counts (and each rank's count of invalid ids, so
-    # that every rank raises alike), then read them on the host: the mode's one sync.
-    valid_ids = (topk_ids >= 0) & (topk_ids < num_experts)
-    local_experts = num_experts // group_size
-    dest = torch.where(valid_ids, topk_ids // local_experts, -1).reshape(-1).to(torch.int64)
-    counts = torch.zeros(group_size + 1, device=dev, dtype=torch.int64)
-    counts = counts.scatter_add(0, torch.where(dest >= 0, dest, group_size), torch.ones_like(dest))
-    invalid = counts[group_size:].expand(group_size)
-    sent = torch.stack([counts[:group_size], invalid], 1)  # (P, 2) to each destination
-    received = exchange(sent, group)  # (P, 2) from each source
-    host = torch.cat([counts[:group_size], received.reshape(-1)]).tolist()
-    send_counts, recv_counts = host[:group_size], host[group_size::2]
-    invalid_in_group = sum(host[group_size + 1::2])
-    if invalid_in_group:
-        raise ValueError(f"topk_ids holds {invalid_in_group} expert ids outside [0, "
-                         f"{num_experts}) across the expert-parallel group (this rank: "
-                         f"{host[group_size + 1]}); the exact mode has no row for them")
-    quota = counts[:group_size]
+    quota, send_counts, recv_counts = _exchange_counts(topk_ids, num_experts, group, hidden)
     num_rows = sum(send_counts)
     row_of, source, local, dropped = _place_pairs(topk_ids, num_experts, group_size, quota,
                                                   num_chunks, num_rows)
@@ -229,6 +237,51 @@ def plan_exchange(topk_ids: Tensor, num_experts: int, group, capacity_factor: fl
         first += sum(splits)
     return ExchangePlan(row_of, source, local, dropped, chunk_rows, send_splits, recv_splits,
                         [sum(s) for s in recv_splits])
+
+
+# Codes for the dtypes the exact mode's check compares across ranks (any other dtype: -1).
+_ROW_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def _exchange_counts(topk_ids: Tensor, num_experts: int, group, hidden: Tensor | None):
+    """The exact mode's one sync: each rank sends every destination its pair count together
+    with what every rank must agree on (its count of ids outside [0, E), E, and the exchanged
+    rows' width and dtype), so that a disagreement raises on every rank alike before a row
+    moves (an exchange whose sizes disagree aborts a gloo group and can hang an NCCL one).
+    Returns the pairs this rank sends to each rank (int64 (P,) on the device, and as host
+    ints) and the pairs it receives from each rank (host ints)."""
+    group_size = group.size()
+    dev = topk_ids.device
+    valid_ids = (topk_ids >= 0) & (topk_ids < num_experts)
+    dest = torch.where(valid_ids, topk_ids // (num_experts // group_size), -1)
+    dest = dest.reshape(-1).to(torch.int64)
+    counts = torch.zeros(group_size + 1, device=dev, dtype=torch.int64)
+    counts = counts.scatter_add(0, torch.where(dest >= 0, dest, group_size), torch.ones_like(dest))
+    width, dtype = (-1, -1) if hidden is None else (
+        hidden.shape[-1], _ROW_DTYPES.index(hidden.dtype) if hidden.dtype in _ROW_DTYPES else -1)
+    agreed = torch.tensor([num_experts, width, dtype], device=dev, dtype=torch.int64)
+    # (P, 5) to each destination: [pairs for it, invalid ids, E, H, dtype code].
+    sent = torch.cat([counts[:group_size, None], counts[group_size:].expand(group_size, 1),
+                      agreed.expand(group_size, 3)], 1)
+    received = exchange(sent, group)  # (P, 5) from each source
+    host = torch.cat([counts[:group_size], received.reshape(-1)]).tolist()
+    send_counts = host[:group_size]
+    received = [host[group_size + 5 * r:group_size + 5 * (r + 1)] for r in range(group_size)]
+    recv_counts = [r[0] for r in received]
+    invalid = [r[1] for r in received]
+    if any(invalid):
+        raise ValueError(f"topk_ids holds expert ids outside [0, {num_experts}) on the "
+                         f"expert-parallel group's ranks (per rank: {invalid}); the exact mode "
+                         "has no row for them")
+    for i, what in enumerate(("num_experts (E/P = w1.shape[0] times the group size)",
+                              "hidden's width H", "hidden's dtype")):
+        seen = [r[2 + i] for r in received]
+        if len(set(seen)) > 1:
+            if i == 2:
+                seen = [str(_ROW_DTYPES[c]) if c >= 0 else "other" for c in seen]
+            raise ValueError(f"{what} differs between the expert-parallel group's ranks "
+                             f"(per rank: {seen}); every rank must pass the same")
+    return counts[:group_size], send_counts, recv_counts
 
 
 class EPDispatch(NamedTuple):
@@ -249,7 +302,7 @@ class EPDispatch(NamedTuple):
 
 
 def ep_dispatch(hidden: Tensor, topk_ids: Tensor, num_experts: int, ep_group, *,
-                capacity_factor: float | None = 1.25) -> EPDispatch:
+                capacity_factor: float | None = 1.25, max_tokens: int | None = None) -> EPDispatch:
     """Send every routed (token, slot) pair's hidden row to the rank owning its expert, and
     sort what this rank receives by local expert.
 
@@ -259,21 +312,24 @@ def ep_dispatch(hidden: Tensor, topk_ids: Tensor, num_experts: int, ep_group, *,
         num_experts: E, the experts of the whole group; a multiple of the group size P. Rank r
             owns experts [r * E/P, (r+1) * E/P).
         ep_group: the expert-parallel ProcessGroup; every rank of it calls this together.
-        capacity_factor: sync-free mode with ``ceil(capacity_factor * T * k / P)`` rows per
-            rank pair (every rank passes the same T), or None for the exact mode (one host
-            sync); see this module's docstring for the drop order.
+        capacity_factor: sync-free mode with ``ceil(capacity_factor * max_tokens * k / P)``
+            rows per rank pair, or None for the exact mode (one host sync); see this module's
+            docstring for the drop order.
+        max_tokens: the sync-free mode's bound on any rank's T, the same on every rank;
+            required there (ranks may pass different T up to it), ignored in exact mode.
 
     Returns:
         :class:`EPDispatch`: ``x`` (R, H) expert-sorted with ``offs`` int32 (E/P,); R is
-        P * capacity (sync-free) or the rows received (exact).
+        P * capacity (sync-free; the same on every rank) or the rows received (exact).
     """
+    check_mode(capacity_factor, 1, max_tokens)
     if torch.compiler.is_compiling():
         group_size = ep_group.size()
     else:
         group_size = check_group(ep_group)
-        check_mode(capacity_factor, 1)
         _check_dispatch_args(hidden, topk_ids, num_experts, group_size, ep_group)
-    plan = plan_exchange(topk_ids, num_experts, ep_group, capacity_factor)
+    plan = plan_exchange(topk_ids, num_experts, ep_group, capacity_factor,
+                         max_tokens=max_tokens, hidden=hidden)
     send_x = torch.ops.compiled_moe.moe_permute(hidden, plan.row_of, plan.source)
     split = plan.recv_splits and plan.recv_splits[0], plan.send_splits and plan.send_splits[0]
     recv_x = exchange(send_x, ep_group, *split)

@@ -46,7 +46,8 @@ def default_num_chunks(group_size: int) -> int:
 
 def ep_moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor,
                    w2: Tensor, *, ep_group, capacity_factor: float | None = 1.25,
-                   num_chunks: int | None = None, **block_kwargs) -> tuple[Tensor, Tensor]:
+                   max_tokens: int | None = None, num_chunks: int | None = None,
+                   **block_kwargs) -> tuple[Tensor, Tensor]:
     """The experts block with the experts spread over ``ep_group``: each rank passes its own
     tokens, global expert ids and its own experts' weights.
 
@@ -64,10 +65,13 @@ def ep_moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: T
         w1, w2: this rank's experts, (E/P, N1, H) and (E/P, H, I), as for moe_experts; rank r
             holds experts [r * E/P, (r+1) * E/P). Differentiable (and b1, b2).
         ep_group: the expert-parallel ProcessGroup (P ranks); all its ranks call together.
-        capacity_factor: float: sync-free mode, ``ceil(capacity_factor * T * k / P)`` rows per
-            rank pair (rounded up to a multiple of num_chunks; every rank must pass the same
-            T); None: exact mode, no drops, one host sync. See
-            :mod:`compiled_moe.distributed.dispatch` for the drop order.
+        capacity_factor: float: sync-free mode, ``ceil(capacity_factor * max_tokens * k / P)``
+            rows per rank pair (rounded up to a multiple of num_chunks); None: exact mode, no
+            drops, one host sync. See :mod:`compiled_moe.distributed.dispatch` for the drop
+            order.
+        max_tokens: the sync-free mode's static bound on any rank's T, the same on every rank
+            (required there; ranks may pass different T). A rank past it drops more pairs, in
+            the same order, counted in ``dropped``. Ignored by the exact mode.
         num_chunks: chunks of the exchange/GEMM pipeline; default 1 over one rank, else 2.
         block_kwargs: moe_experts' keyword arguments (activation, gate_up_layout, b1, b2,
             alpha, limit, fp8_recipe, fused, fp8_weights), for the local experts.
@@ -82,15 +86,16 @@ def ep_moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: T
     group_size = ep_group.size() if compiling else check_group(ep_group)
     if num_chunks is None:
         num_chunks = default_num_chunks(group_size)
+    check_mode(capacity_factor, num_chunks, max_tokens)
     if not compiling:
-        check_mode(capacity_factor, num_chunks)
         _check_experts_args(hidden, topk_ids, topk_weights, w1, w2,
                             block_kwargs.get("activation", "swiglu"),
                             block_kwargs.get("gate_up_layout", "stacked"), block_kwargs.get("b1"),
                             block_kwargs.get("b2"), block_kwargs.get("fp8_recipe"))
         check_backend(ep_group, hidden, "hidden")
     num_experts = w1.shape[0] * group_size
-    plan = plan_exchange(topk_ids, num_experts, ep_group, capacity_factor, num_chunks)
+    plan = plan_exchange(topk_ids, num_experts, ep_group, capacity_factor, num_chunks,
+                         max_tokens=max_tokens, hidden=hidden)
     send_x = torch.ops.compiled_moe.moe_permute(hidden, plan.row_of, plan.source)
 
     pipelined = hidden.is_cuda and num_chunks > 1 and not compiling
@@ -146,8 +151,8 @@ def _record_event(stream) -> torch.cuda.Event:
     return event
 
 
-def ep_block(hidden, topk_ids, topk_weights, w1, w2, *, ep_group, capacity_factor, num_chunks,
-             **block_kwargs) -> tuple[Tensor, Tensor]:
+def ep_block(hidden, topk_ids, topk_weights, w1, w2, *, ep_group, capacity_factor, max_tokens,
+             num_chunks, **block_kwargs) -> tuple[Tensor, Tensor]:
     """What ``moe_experts(..., ep_group=...)`` runs: :func:`ep_moe_experts`, except over a
     group of one rank, where the exchanges are the identity and the block is the local one on
     the tokens with dropped pairs' ids set to -1 (same drops, same sums, no copies)."""
@@ -157,11 +162,11 @@ def ep_block(hidden, topk_ids, topk_weights, w1, w2, *, ep_group, capacity_facto
     group_size = ep_group.size() if compiling else check_group(ep_group)
     if group_size > 1:
         return ep_moe_experts(hidden, topk_ids, topk_weights, w1, w2, ep_group=ep_group,
-                              capacity_factor=capacity_factor, num_chunks=num_chunks,
-                              **block_kwargs)
+                              capacity_factor=capacity_factor, max_tokens=max_tokens,
+                              num_chunks=num_chunks, **block_kwargs)
+    check_mode(capacity_factor, 1 if num_chunks is None else num_chunks, max_tokens)
     if not compiling:
-        check_mode(capacity_factor, 1 if num_chunks is None else num_chunks)
         check_backend(ep_group, hidden, "hidden")
-    plan = plan_exchange(topk_ids, w1.shape[0], ep_group, capacity_factor)
+    plan = plan_exchange(topk_ids, w1.shape[0], ep_group, capacity_factor, max_tokens=max_tokens)
     kept_ids = torch.where(plan.row_of >= 0, topk_ids, -1)
     return moe_experts(hidden, kept_ids, topk_weights, w1, w2, **block_kwargs), plan.dropped
