@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -76,7 +77,8 @@ def cuda_include_dir() -> str | None:
 def build_dir() -> Path:
     """Where the build goes: one directory per sources, torch and Python version."""
     digest = hashlib.sha256()
-    for path in sorted(source_dir().glob("*")):
+    # The layer's sources, and the kernels' argument structs it includes (csrc/*.cuh).
+    for path in sorted(source_dir().glob("*")) + sorted(source_dir().parent.glob("*.cuh")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update(str(cuda_include_dir()).encode())
     root = os.environ.get("COMPILED_MOE_CACHE_DIR")
@@ -115,20 +117,25 @@ def route_kernels(dev: int) -> tuple:
                  for step in ("rank", "place") for ids in ("i32", "i64"))
 
 
-# csrc/moe_rows.cu's kernels, in csrc/host/kernels.h's RowKernels order.
-ROW_KERNELS = ("moe_gather_rows", "moe_permute_rows", "moe_activation_rows", "moe_activation_backward_rows",
-               "moe_combine_rows", "moe_pair_dot", "grouped_sum_rows")
+def row_kernel_names() -> list[str]:
+    """The kernels of csrc/moe_rows.cu (its ``extern "C"`` functions), which the layer reads
+    by name (csrc/host/kernels.h's RowKernels)."""
+    from compiled_moe.native import csrc_dir
+
+    text = (csrc_dir() / "moe_rows.cu").read_text()
+    return re.findall(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))?\s+(\w+)\(', text)
 
 
-def row_kernels(dev: int) -> tuple | None:
-    """The layer's question, once per device: the row kernels' handles (csrc/moe_rows.cu) and
-    the SM count (csrc/host/kernels.h's RowKernels); None before sm_80, where they do not
-    compile (bf16 conversions) and the row ops' Python kernels serve."""
+def row_kernels(dev: int) -> dict | None:
+    """The layer's question, once per device: {name: handle} of the row kernels
+    (csrc/moe_rows.cu) and "sms", the SM count; None before sm_80, where they do not compile
+    (bf16 conversions) and the row ops' Python kernels serve."""
     from compiled_moe.kernels.grouped_mm import _num_sms
 
     if torch.cuda.get_device_capability(dev) < (8, 0):
         return None
-    return tuple(_handle("moe_rows", name, dev) for name in ROW_KERNELS) + (_num_sms(dev),)
+    return {**{name: _handle("moe_rows", name, dev) for name in row_kernel_names()},
+            "sms": _num_sms(dev)}
 
 
 @functools.lru_cache(maxsize=None)

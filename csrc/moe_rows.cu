@@ -1,18 +1,15 @@
-// Row kernels of the experts block, launched by the C++ host layer (csrc/host/): the gather of
-// token rows into expert-sorted rows (moe_permute), the weighted combine back (moe_unpermute)
-// and its weights' gradient, the activation between the two GEMMs and its backward, and the
-// per-group row sums (grouped_sum, a bias gradient), each the CUDA kernel of the op of that
-// name (csrc/host/rows.cpp), which the one-call experts block (csrc/host/ops.cpp's moe_experts)
-// composes. Their oracles are
-// compiled_moe/reference.py's functions of the same names; the Triton kernels of
-// kernels/routing.py, kernels/activations.py and kernels/grouped_mm.py do the same inside
-// compiled graphs.
+// Row kernels of the experts block, launched by the C++ host layer (csrc/host/rows.cpp): the
+// gather of token rows into expert-sorted rows (moe_permute, and with the routing weights'
+// gradient in the same pass, moe_unpermute_backward), the weighted combine back
+// (moe_unpermute), the activation between the two GEMMs and its backward, and the per-group
+// row sums (grouped_sum, a bias gradient). The gather and combine kernels are the only CUDA
+// kernels of their ops, eager and compiled alike (compiled graphs call the ops). Their oracles
+// are compiled_moe/reference.py's functions of the same names.
 //
-// Element kinds: 0 bf16, 1 fp16, 2 fp32 (-1: no tensor). Arithmetic in fp32, one rounding at
-// the store. Grid-stride loops over the elements: these kernels are memory-bound at every size
-// they run, and what the host layer is for is the host time of one launch each.
+// Element kinds: row_args.cuh's RowElementKind. Arithmetic in fp32, one rounding at the store.
 
 #include "activation.cuh"
+#include "row_args.cuh"
 
 typedef unsigned short u16;
 
@@ -42,40 +39,139 @@ __device__ __forceinline__ void store(void* p, long long i, float v, int kind) {
 #define GRID_STRIDE(i, total) \
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (total); i += (long long)gridDim.x * blockDim.x)
 
-// x[r] = hidden[source[r] / top_k]; rows whose source is not a pair in [0, num_pairs) (padding:
-// moe_route marks them -1) are zero. Rows move as 16-byte chunks: chunks = H * element size / 16,
-// and the host checks hidden's row stride (in chunks) and addresses.
-extern "C" __global__ void moe_gather_rows(const uint4* __restrict__ hidden, long long hidden_stride,
-                                           const int* __restrict__ source, uint4* __restrict__ x, long long rows,
-                                           int chunks, int top_k, long long num_pairs) {
-  GRID_STRIDE(i, rows * chunks) {
-    const long long r = i / chunks;
-    const int c = (int)(i - r * chunks);
-    const int s = source[r];
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (s >= 0 && s < num_pairs) v = hidden[(long long)(s / top_k) * hidden_stride + c];
-    x[i] = v;
+// ------------------------------------------------------------------ gather and combine
+// Rows move as 16-byte vectors (8 bf16/fp16 or 4 fp32 values) where the host found H, the row
+// strides and the addresses 16-byte aligned, else element by element (VEC 1). Each kernel
+// reads and writes every byte once: at these sizes they are bound by memory bandwidth.
+
+template <int KIND> struct Element;
+template <> struct Element<kRowBF16> {
+  typedef u16 T;
+  static __device__ __forceinline__ float value(T v) { return to_float(v, kRowBF16); }
+  static __device__ __forceinline__ T of(float v) { return from_float(v, kRowBF16); }
+};
+template <> struct Element<kRowF16> {
+  typedef u16 T;
+  static __device__ __forceinline__ float value(T v) { return to_float(v, kRowF16); }
+  static __device__ __forceinline__ T of(float v) { return from_float(v, kRowF16); }
+};
+template <> struct Element<kRowF32> {
+  typedef float T;
+  static __device__ __forceinline__ float value(T v) { return v; }
+  static __device__ __forceinline__ T of(float v) { return v; }
+};
+
+// VEC consecutive elements, aligned to their size: a 16-byte vector moves in one instruction.
+template <int KIND, int VEC>
+struct alignas(sizeof(typename Element<KIND>::T) * VEC) Piece {
+  typename Element<KIND>::T v[VEC];
+  __device__ __forceinline__ float at(int j) const { return Element<KIND>::value(v[j]); }
+  __device__ __forceinline__ void set(int j, float f) { v[j] = Element<KIND>::of(f); }
+};
+
+template <int KIND, int VEC>
+__device__ __forceinline__ Piece<KIND, VEC> zero_piece() {
+  Piece<KIND, VEC> p;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) p.v[j] = typename Element<KIND>::T(0);
+  return p;
+}
+
+template <int KIND, int VEC, bool SCALE, bool DOT>
+__device__ __forceinline__ void gather_rows(const GatherRowsArgs a) {
+  typedef Piece<KIND, VEC> P;
+  const P* x = static_cast<const P*>(a.x);
+  const P* other = static_cast<const P*>(a.other);
+  P* out = static_cast<P*>(a.out);
+  const int pieces = a.H / VEC, lane = threadIdx.x & 31;
+  const long long x_stride = a.x_stride / VEC, other_stride = a.other_stride / VEC;
+  const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+  for (long long r = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5; r < a.rows; r += warps) {
+    const int s = a.source[r];
+    const bool valid = s >= 0 && s < a.num_pairs;
+    const P* x_row = x + (valid ? (long long)(s / a.top_k) * x_stride : 0);
+    const P* other_row = DOT ? other + r * other_stride : nullptr;
+    P* out_row = out + r * (long long)pieces;
+    const float w = SCALE && valid ? load(a.scale, s, a.scale_kind) : 0.0f;
+    float dot = 0.0f;
+    // Several pieces in flight per lane; two with the dot's second row (four spilled on sm_80).
+    constexpr int kUnroll = DOT ? 2 : 4;
+#pragma unroll kUnroll
+    for (int c = lane; c < pieces; c += 32) {
+      P v = valid ? x_row[c] : zero_piece<KIND, VEC>();
+      if (DOT && valid) {
+        const P o = other_row[c];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) dot += v.at(j) * o.at(j);
+      }
+      if (SCALE) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v.set(j, v.at(j) * w);
+      }
+      out_row[c] = v;
+    }
+    if (DOT) {
+      for (int offset = 16; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+      if (lane == 0 && valid) store(a.dot, s, dot, a.dot_kind);
+    }
   }
 }
 
-// The same gather element by element, times scale[source[r]] where scale_kind >= 0 (scale (T, k)
-// contiguous), from hidden of hidden_kind into out (rows, H) contiguous of out_kind.
-extern "C" __global__ void moe_permute_rows(const void* __restrict__ hidden, int hidden_kind, long long hidden_stride,
-                                            const int* __restrict__ source, const void* __restrict__ scale,
-                                            int scale_kind, void* __restrict__ out, int out_kind, long long rows,
-                                            int H, int top_k, long long num_pairs) {
-  GRID_STRIDE(i, rows * H) {
-    const long long r = i / H;
-    const int c = (int)(i - r * H);
-    const int s = source[r];
-    float v = 0.0f;
-    if (s >= 0 && s < num_pairs) {
-      v = load(hidden, (long long)(s / top_k) * hidden_stride + c, hidden_kind);
-      if (scale_kind >= 0) v *= load(scale, s, scale_kind);
-    }
-    store(out, i, v, out_kind);
+template <int KIND, int VEC>
+__device__ __forceinline__ void gather_rows_mode(const GatherRowsArgs a) {
+  if (a.other) gather_rows<KIND, VEC, true, true>(a);
+  else if (a.scale) gather_rows<KIND, VEC, true, false>(a);
+  else gather_rows<KIND, VEC, false, false>(a);
+}
+
+// (A minimum of one block an SM: with the default, ptxas for sm_80 held the kernel to 40
+// registers and spilled.)
+extern "C" __global__ void __launch_bounds__(256, 1) moe_gather_rows(const GatherRowsArgs a) {
+  switch (a.kind) {
+    case kRowBF16: a.vector ? gather_rows_mode<kRowBF16, 8>(a) : gather_rows_mode<kRowBF16, 1>(a); break;
+    case kRowF16: a.vector ? gather_rows_mode<kRowF16, 8>(a) : gather_rows_mode<kRowF16, 1>(a); break;
+    default: a.vector ? gather_rows_mode<kRowF32, 4>(a) : gather_rows_mode<kRowF32, 1>(a); break;
   }
 }
+
+template <int KIND, int VEC>
+__device__ __forceinline__ void combine_rows(const CombineRowsArgs a) {
+  typedef Piece<KIND, VEC> P;
+  const P* y = static_cast<const P*>(a.y);
+  P* out = static_cast<P*>(a.out);
+  const int pieces = a.H / VEC;
+  const long long y_stride = a.y_stride / VEC;
+  GRID_STRIDE(i, a.tokens * pieces) {
+    const long long t = i / pieces;
+    const int c = (int)(i - t * pieces);
+    float acc[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+    for (int s = 0; s < a.top_k; ++s) {
+      const long long pair = t * a.top_k + s;
+      const int r = a.row_of[pair];
+      if (r < 0 || r >= a.y_rows) continue;
+      const float w = a.weights ? load(a.weights, pair, a.weight_kind) : 1.0f;
+      const P v = y[r * y_stride + c];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) acc[j] += v.at(j) * w;
+    }
+    P o;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) o.set(j, acc[j]);
+    out[i] = o;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256) moe_combine_rows(const CombineRowsArgs a) {
+  switch (a.kind) {
+    case kRowBF16: a.vector ? combine_rows<kRowBF16, 8>(a) : combine_rows<kRowBF16, 1>(a); break;
+    case kRowF16: a.vector ? combine_rows<kRowF16, 8>(a) : combine_rows<kRowF16, 1>(a); break;
+    default: a.vector ? combine_rows<kRowF32, 4>(a) : combine_rows<kRowF32, 1>(a); break;
+  }
+}
+
+// ------------------------------------------------------------------ activations
 
 template <int CODE>
 __device__ __forceinline__ void activation_rows(const void* __restrict__ h, long long h_stride, void* __restrict__ a,
@@ -179,50 +275,6 @@ extern "C" __global__ void moe_activation_backward_rows(const void* __restrict__
     default: CM_ACTIVATION_BACKWARD(5); break;
   }
 #undef CM_ACTIVATION_BACKWARD
-}
-
-// out[t] (contiguous, of kind) = sum over slots s (in order) of weights[t, s] *
-// y[row_of[t, s]], in fp32; slots whose row_of names no row of y (dropped pairs: -1) count 0.
-// weights (T, k) contiguous of weight_kind, or none (weight_kind -1: every weight 1).
-extern "C" __global__ void moe_combine_rows(const void* __restrict__ y, long long y_rows, long long y_stride,
-                                            const int* __restrict__ row_of, const void* __restrict__ weights,
-                                            int weight_kind, void* __restrict__ out, long long tokens, int top_k,
-                                            int hidden, int kind) {
-  GRID_STRIDE(i, tokens * hidden) {
-    const long long t = i / hidden;
-    const int c = (int)(i - t * hidden);
-    float acc = 0.0f;
-    for (int s = 0; s < top_k; ++s) {
-      const long long pair = t * top_k + s;
-      const int r = row_of[pair];
-      if (r < 0 || r >= y_rows) continue;
-      const float w = weight_kind >= 0 ? load(weights, pair, weight_kind) : 1.0f;
-      acc += w * load(y, r * y_stride + c, kind);
-    }
-    store(out, i, acc, kind);
-  }
-}
-
-// dot[t, s] = <grad_out[t], y[row_of[t, s]]> in fp32, 0 where row_of[t, s] names no row of y:
-// moe_unpermute's weight gradient. One warp a pair (lanes over the columns, then a fixed-order
-// shuffle sum); dot (T, k) contiguous of dot_kind.
-extern "C" __global__ void moe_pair_dot(const void* __restrict__ grad_out, int grad_kind, long long grad_stride,
-                                        const void* __restrict__ y, int y_kind, long long y_rows, long long y_stride,
-                                        const int* __restrict__ row_of, void* __restrict__ dot, int dot_kind,
-                                        long long pairs, int top_k, int H) {
-  const int lane = threadIdx.x & 31;
-  const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
-  for (long long p = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5; p < pairs; p += warps) {
-    const int r = row_of[p];
-    float acc = 0.0f;
-    if (r >= 0 && r < y_rows) {
-      const long long t = p / top_k;
-      for (int c = lane; c < H; c += 32)
-        acc += load(grad_out, t * grad_stride + c, grad_kind) * load(y, r * y_stride + c, y_kind);
-    }
-    for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-    if (lane == 0) store(dot, p, acc, dot_kind);
-  }
 }
 
 // out[g, n] (G, N) contiguous of out_kind = sum of x[r, n] over the rows r of group g, in fp32

@@ -13,13 +13,17 @@ offsets (what Hugging Face's ``grouped_mm`` experts backend and torchtitan call)
 them into ``moe_permute`` / ``moe_unpermute``. compiled_moe's own ops need nothing: they are
 ``triton_op``s, so inductor already emits their kernel launches in its generated code.
 
-The inductor hooks used here are private and change between torch releases. On a torch whose
-minor version is not in ``SUPPORTED_TORCH`` the rewrites are skipped with one warning, and both
-entry points fall back to plain inductor.
+The inductor hooks used here are private and change between torch releases. :func:`supported`
+checks that each is present in the form this module calls (not a list of version strings); on
+a torch where one is missing the rewrites are skipped with one warning naming it, and both entry
+points fall back to plain inductor. The tests run the rewrites on every torch release CI and
+the GPU machine install.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import warnings
 
@@ -27,22 +31,43 @@ import torch
 
 from compiled_moe.lowering.passes import rewrite
 
-__all__ = ["SUPPORTED_TORCH", "backend", "disable", "enable", "is_enabled", "rewrite", "supported"]
+__all__ = ["backend", "disable", "enable", "is_enabled", "missing_hooks", "rewrite", "supported"]
 
-SUPPORTED_TORCH = ("2.11", "2.12", "2.13")
 log = logging.getLogger(__name__)
 _warned = False
 
 
+@functools.cache
+def missing_hooks() -> tuple[str, ...]:
+    """The inductor hooks this module calls that this torch lacks, or has in another form
+    (empty: every hook is there). Each is named as this module uses it."""
+    try:
+        from torch._inductor import config, list_mode_options  # noqa: F401
+        from torch._inductor.compile_fx import compile_fx
+        from torch._inductor.custom_graph_pass import (CustomGraphPass,  # noqa: F401
+                                                       get_hash_for_files)
+    except ImportError as e:
+        return (f"import: {e}",)
+    missing = []
+    if "pre_grad_custom_pass" not in dir(config):
+        missing.append("torch._inductor.config.pre_grad_custom_pass")
+    if "config_patches" not in inspect.signature(compile_fx).parameters:
+        missing.append("compile_fx(config_patches=)")
+    if not callable(getattr(CustomGraphPass, "uuid", None)):
+        missing.append("CustomGraphPass.uuid")
+    return tuple(missing)
+
+
 def supported() -> bool:
-    """Whether this torch's inductor hooks are known to work; warns once when they are not."""
+    """Whether this torch has the inductor hooks the rewrites use; warns once when it lacks one."""
     global _warned
-    version = ".".join(torch.__version__.split(".")[:2])
-    if version in SUPPORTED_TORCH:
+    missing = missing_hooks()
+    if not missing:
         return True
     if not _warned:
-        warnings.warn(f"compiled_moe.lowering supports torch {', '.join(SUPPORTED_TORCH)}, found "
-                      f"{torch.__version__}: graph rewrites are off, the plain ops run", stacklevel=3)
+        warnings.warn(f"compiled_moe.lowering: torch {torch.__version__} lacks the inductor hooks "
+                      f"{', '.join(missing)}: graph rewrites are off, the plain ops run",
+                      stacklevel=3)
         _warned = True
     return False
 

@@ -187,11 +187,6 @@ def _launch_all(model) -> None:
         torch.empty(pairs // model.top_k, model.top_k, device=cuda, dtype=torch.int64), E, 1,
         offs, torch.empty(pairs // model.top_k, model.top_k, device=cuda, dtype=torch.int32),
         torch.empty(pairs, device=cuda, dtype=torch.int32), traced=True)
-    source = torch.empty(M, device=cuda, dtype=torch.int32)
-    routing.gather_rows(x, source, model.top_k, torch.empty_like(x))
-    routing.combine_rows(x, torch.empty(model.tokens, model.top_k, device=cuda,
-                                        dtype=torch.int32),
-                         torch.empty(model.tokens, H, device=cuda, dtype=bf16))
     for recipe in ("fp8_blockwise", "mxfp8", "fp8_rowwise"):
         xq, xs, xq_t, xs_t = fp8_ops._quantize_outputs(x, offs, recipe, True, True)
         quantize.quantize_tiles(x, xq, xs, recipe, weight=False)

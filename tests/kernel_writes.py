@@ -82,12 +82,6 @@ def launch_everything(_model) -> None:
 
     routing.route_one_program(torch.empty(T, k, device=cuda, dtype=torch.int64), G, 16, offs,
                               torch.empty(T, k, device=cuda, dtype=i32), source, traced=True)
-    x = torch.empty(T, K, device=cuda, dtype=bf16)
-    routing.gather_rows(x, source, k, torch.empty_like(a))
-    routing.gather_rows(x, source, k, torch.empty_like(a), scale=torch.empty(T * k, device=cuda),
-                        other=torch.empty_like(a), dot=torch.empty(T * k, device=cuda))
-    routing.combine_rows(a, torch.empty(T, k, device=cuda, dtype=i32), torch.empty_like(x),
-                         torch.empty(T, k, device=cuda, dtype=bf16))
 
     for recipe in ("fp8_rowwise", "fp8_blockwise", "mxfp8"):
         q = {}

@@ -283,29 +283,6 @@ def route_one_program_config(pairs: int, num_experts: int, device_type: str) -> 
 
 
 @functools.lru_cache(maxsize=None)
-def gather_rows_config(h: int, device_type: str) -> TileConfig:
-    """Row gather (moe_permute, moe_unpermute's backward): BLOCK_M rows x BLOCK_N columns a
-    program. H200, bf16, graph replay, us (one row of 1024 columns a program before, 4 warps):
-    Qwen3 (65536 x 2048) 85.2 against 109.2, DeepSeek-V3 (32768 x 7168) 140.4 against 210.8,
-    GPT-OSS (16384 x 2880) 36.2 against 39.1; 8 x 512 at 8 warps was within 5% of 16 x 256."""
-    if device_type != "cuda":
-        return _INTERPRETER_TILE
-    return TileConfig(block_m=16, block_n=256, block_k=1, num_warps=4, num_stages=1)
-
-
-@functools.lru_cache(maxsize=None)
-def combine_rows_config(h: int, device_type: str) -> TileConfig:
-    """Row combine (moe_unpermute): BLOCK_N columns of a token per program. It runs at a
-    copy's bandwidth (H200, Qwen3, 8192 tokens from 65536 rows of 2048: 72.5 us for 302 MB);
-    the k slots unrolled with 1-8 tokens a program measured 72.6-76.1 us."""
-    if device_type != "cuda":
-        return _INTERPRETER_TILE
-    # 16 bytes per thread per load at 4 warps for bf16 rows of H >= 1024.
-    block = min(1024, max(128, 1 << (max(h, 1) - 1).bit_length()))
-    return TileConfig(block_m=1, block_n=block, block_k=1, num_warps=4, num_stages=1)
-
-
-@functools.lru_cache(maxsize=None)
 def activation_config(inter: int, device_type: str) -> TileConfig:
     """Pointwise activation tile: BLOCK_M rows x BLOCK_N output columns (gate and up both read)."""
     if device_type != "cuda":

@@ -172,8 +172,8 @@ def kernel_op(name: str, *, device_types=("cuda",), traced: bool = False,
 def host_row_op(name: str):
     """kernel_op's ``host`` for the row ops whose CUDA kernel the C++ host layer has
     (csrc/host/rows.cpp): its checks and the launch of csrc/moe_rows.cu's kernels; the op's
-    Python kernel serves what those do not take (float64, GPUs before sm_80). Needs NVRTC
-    (cuda-python) for the kernels."""
+    Python kernel serves what those do not take (float64, GPUs before sm_80: see
+    host_rows_serve). Needs NVRTC (cuda-python) for the kernels."""
     def register(module) -> list[str]:
         from compiled_moe import native
 
@@ -182,6 +182,34 @@ def host_row_op(name: str):
         return module.register_row_op(name, lambda *args: _KERNEL_OPS[name]._kernel(*args))
 
     return register
+
+
+def host_rows_serve(t: Tensor) -> bool:
+    """Whether the C++ layer's row kernels (csrc/moe_rows.cu) are the kernel for t: a CUDA
+    tensor, not float64, on sm_80 or later. They are their ops' only CUDA kernels, eager and
+    compiled; the ops' Python kernels serve the rest with the reference."""
+    return (t.device.type == "cuda" and t.dtype != torch.float64
+            and torch.cuda.get_device_capability(t.device) >= (8, 0))
+
+
+def host_layer_missing(name: str) -> RuntimeError:
+    """The error of a row op called on CUDA where the C++ layer that holds its only CUDA kernel
+    is not loaded (one clear error rather than a slower second kernel to keep equal)."""
+    from compiled_moe import host, native
+
+    if not host.enabled():
+        why = "COMPILED_MOE_HOST=0 turned it off"
+    elif host.module() is None:
+        why = "it could not be built: see the warning at import"
+    elif not native.available():
+        why = "cuda-python (NVRTC) is not installed"
+    else:
+        why = "torch has no CUDA support in it"
+    return RuntimeError(
+        f"torch.ops.compiled_moe.{name} runs on CUDA through compiled_moe's C++ layer "
+        f"(csrc/host, kernels of csrc/moe_rows.cu), which is not loaded here ({why}). It needs a "
+        "C++ compiler, ninja and cuda-python: pip install 'compiled-moe[cuda]' and a g++ or "
+        "clang++ on PATH, with COMPILED_MOE_HOST unset")
 
 
 def host_layer():

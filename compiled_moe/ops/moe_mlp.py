@@ -162,12 +162,9 @@ def _moe_mlp(x: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, activation: str,
     a = x.new_empty((rows_n, w2.shape[2]))
     h = x.new_empty((0, w1.shape[1]))  # what is kept without save_h
     if _fc1_on_cuda(x, source, w1, b1, a):
-        from compiled_moe.kernels import activations, routing
+        from compiled_moe.kernels import activations
 
-        rows = x
-        if source is not None:  # the gathered rows live until FC1 is done
-            rows = x.new_empty((rows_n, x.shape[1]))
-            routing.gather_rows(x, source, top_k, rows)
+        rows = sorted_input(x, source, row_of)  # the gathered rows live until FC1 is done
         h_full = grouped_mm_on_device(rows, w1.transpose(-2, -1), offs, b1)
         activations.activation_forward(h_full, a, activation, gate_up_layout, alpha, limit,
                                        probs=None if probs is None else probs.contiguous())

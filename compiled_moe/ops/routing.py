@@ -6,11 +6,15 @@ torch.ops.compiled_moe.moe_unpermute  out[t] = sum_s w[t, s] * y[row_of[t, s]]  
 
 moe_route is an opaque op (``kernel_op``: no autograd, integer outputs). Small routings run one
 Triton program, which compiled graphs launch themselves (``register_traced``); larger ones the
-NVRTC kernels of csrc/moe_route.cu. The other two launch Triton kernels that compiled graphs
-trace (``kernel_op(traced=True)``, as a ``triton_op``). Where the C++ host layer loads, an eager
-CUDA call of each runs its C++ kernel instead (csrc/host/ops.cpp's moe_route_cuda: the NVRTC
-route kernels at every size; csrc/host/rows.cpp: csrc/moe_rows.cu's kernels). On CPU every op
-runs its reference (compiled_moe.reference).
+NVRTC kernels of csrc/moe_route.cu. Where the C++ host layer loads, an eager CUDA call runs
+its C++ kernel instead (csrc/host/ops.cpp's moe_route_cuda: the NVRTC route kernels at every
+size).
+
+moe_permute, moe_unpermute and moe_unpermute_backward have one CUDA kernel each, the C++
+layer's (csrc/host/rows.cpp launching csrc/moe_rows.cu's gather and combine kernels), which
+eager calls and compiled graphs (an opaque call of the op) both run. On CPU, in float64 and on
+GPUs before sm_80 they run the reference (compiled_moe.reference); on CUDA without the C++
+layer they raise, naming what to install.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from compiled_moe.kernels.configs import ROUTE_ONE_PROGRAM_PAIRS
 from compiled_moe.ops._dispatch import (
     check_same_device,
     check_tensor,
+    host_layer_missing,
     host_row_op,
+    host_rows_serve,
     kernel_op,
     on_tensor_device,
     use_kernel,
@@ -183,17 +189,14 @@ def _check_unpermute(y, row_of, source, weights) -> None:
     _check_pair_tensor("weights", weights, row_of)
 
 
-@kernel_op("moe_permute", device_types=("cuda", "cpu"), traced=True,
-           autograd="formula", host=host_row_op("moe_permute"))
-@on_tensor_device
+@kernel_op("moe_permute", device_types=("cuda", "cpu"), autograd="formula",
+           host=host_row_op("moe_permute"))
 def _moe_permute(hidden: Tensor, row_of: Tensor, source: Tensor,
                  scale: Optional[Tensor] = None) -> Tensor:
     _check_permute(hidden, row_of, source, scale)
-    if not use_kernel(hidden):
-        return reference.moe_permute(hidden, source, row_of.shape[1], scale)
-    out = hidden.new_empty((source.shape[0], hidden.shape[1]))
-    _kernels().gather_rows(hidden, source, row_of.shape[1], out, scale=scale)
-    return out
+    if host_rows_serve(hidden):
+        raise host_layer_missing("moe_permute")
+    return reference.moe_permute(hidden, source, row_of.shape[1], scale)
 
 
 @_moe_permute.register_fake
@@ -221,17 +224,14 @@ def _permute_backward(ctx, grad):
 _moe_permute.register_autograd(_permute_backward, setup_context=_permute_setup)
 
 
-@kernel_op("moe_unpermute", device_types=("cuda", "cpu"), traced=True,
-           autograd="formula", host=host_row_op("moe_unpermute"))
-@on_tensor_device
+@kernel_op("moe_unpermute", device_types=("cuda", "cpu"), autograd="formula",
+           host=host_row_op("moe_unpermute"))
 def _moe_unpermute(y: Tensor, row_of: Tensor, source: Tensor,
                    weights: Optional[Tensor] = None) -> Tensor:
     _check_unpermute(y, row_of, source, weights)
-    if not use_kernel(y):
-        return reference.moe_unpermute(y, row_of, weights)
-    out = y.new_empty((row_of.shape[0], y.shape[1]))
-    _kernels().combine_rows(y, row_of, out, weights)
-    return out
+    if host_rows_serve(y):
+        raise host_layer_missing("moe_unpermute")
+    return reference.moe_unpermute(y, row_of, weights)
 
 
 @_moe_unpermute.register_fake
@@ -274,22 +274,17 @@ def _check_unpermute_backward(grad_out, y, row_of, source, weights) -> None:
                          "they must match")
 
 
-@kernel_op("moe_unpermute_backward", device_types=("cuda", "cpu"), traced=True,
+@kernel_op("moe_unpermute_backward", device_types=("cuda", "cpu"),
            host=host_row_op("moe_unpermute_backward"))
-@on_tensor_device
 def _moe_unpermute_backward(grad_out: Tensor, y: Tensor, row_of: Tensor, source: Tensor,
                             weights: Tensor) -> tuple[Tensor, Tensor]:
-    """(grad_y, grad_weights) of moe_unpermute with weights. Not differentiable itself."""
+    """(grad_y, grad_weights) of moe_unpermute with weights, in one pass over the sorted rows
+    on CUDA. Not differentiable itself."""
     _check_unpermute_backward(grad_out, y, row_of, source, weights)
-    if not use_kernel(y):
-        grad_y = reference.moe_permute(grad_out, source, row_of.shape[1], weights)
-        return grad_y, reference.moe_unpermute_dot(grad_out, y, row_of).to(weights.dtype)
-    grad_y = y.new_empty(y.shape)
-    # Zeros: dropped pairs (ids outside [0, E)) own no sorted row, so no program writes them.
-    grad_weights = weights.new_zeros(weights.shape)
-    _kernels().gather_rows(grad_out, source, row_of.shape[1], grad_y, scale=weights, other=y,
-                           dot=grad_weights)
-    return grad_y, grad_weights
+    if host_rows_serve(y):
+        raise host_layer_missing("moe_unpermute_backward")
+    grad_y = reference.moe_permute(grad_out, source, row_of.shape[1], weights)
+    return grad_y, reference.moe_unpermute_dot(grad_out, y, row_of).to(weights.dtype)
 
 
 @_moe_unpermute_backward.register_fake

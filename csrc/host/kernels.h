@@ -31,10 +31,11 @@ struct RouteKernels {
 };
 
 // The row kernels need sm_80 (bf16 conversions): before it, Python answers None and the row
-// ops' Python kernels serve (available false).
+// ops' Python kernels serve (available false). Python answers {kernel name: handle, "sms": SM
+// count}, read here by name (host.py's row_kernels lists the names from the file).
 struct RowKernels {
   bool available;
-  CUfunction gather, permute, activation, activation_backward, combine, pair_dot, grouped_sum;
+  CUfunction gather, combine, activation, activation_backward, grouped_sum;
   unsigned sms;
   static pybind11::object& ask() {
     static pybind11::object* fn = new pybind11::object();
@@ -42,9 +43,15 @@ struct RowKernels {
   }
   static RowKernels read(const pybind11::object& answer) {
     if (answer.is_none()) return {};
-    auto t = answer.cast<pybind11::tuple>();
-    auto f = [&t](int i) { return reinterpret_cast<CUfunction>(t[i].cast<int64_t>()); };
-    return {true, f(0), f(1), f(2), f(3), f(4), f(5), f(6), static_cast<unsigned>(t[7].cast<int64_t>())};
+    auto d = answer.cast<pybind11::dict>();
+    auto f = [&d](const char* name) { return reinterpret_cast<CUfunction>(d[name].cast<int64_t>()); };
+    return {true,
+            f("moe_gather_rows"),
+            f("moe_combine_rows"),
+            f("moe_activation_rows"),
+            f("moe_activation_backward_rows"),
+            f("grouped_sum_rows"),
+            static_cast<unsigned>(d["sms"].cast<int64_t>())};
   }
 };
 

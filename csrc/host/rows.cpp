@@ -25,6 +25,7 @@
 
 #if __has_include(<cuda.h>)
 #define COMPILED_MOE_CUDA 1
+#include "../row_args.cuh"
 #include "cuda_driver.h"
 #include "kernels.h"
 #endif
@@ -146,41 +147,57 @@ const RowKernels* row_kernels(const at::Tensor& t, std::initializer_list<c10::Sc
   return k.available ? &k : nullptr;
 }
 
-// Rows with unit column stride (a copy otherwise, as the Triton launchers make).
+// Rows with unit column stride (a copy otherwise).
 at::Tensor unit_columns(const at::Tensor& t) { return t.size(1) <= 1 || t.stride(1) == 1 ? t : t.contiguous(); }
 
-bool aligned16(const at::Tensor& t) { return reinterpret_cast<uint64_t>(t.data_ptr()) % 16 == 0; }
+// Whether rows of these tensors move as 16-byte vectors: H and every row stride a whole number
+// of 16 bytes, every address 16-byte aligned.
+bool vector_rows(int64_t H, std::initializer_list<const at::Tensor*> tensors) {
+  for (const at::Tensor* t : tensors) {
+    const int64_t es = t->element_size();
+    if ((H * es) % 16 || (t->stride(0) * es) % 16 || reinterpret_cast<uint64_t>(t->data_ptr()) % 16) return false;
+  }
+  return true;
+}
 
-// out (rows, H) contiguous: hidden[source[r] / top_k] (times scale[source[r]]), 0 on padding.
-void permute_rows(const RowKernels& k, const at::Tensor& hidden_in, const at::Tensor& source_in, int64_t top_k,
-                  const std::optional<at::Tensor>& scale, const at::Tensor& out) {
-  const int device = out.device().index();
-  const int64_t rows = out.size(0), H = out.size(1), num_pairs = hidden_in.size(0) * top_k;
+// One warp a row: up to 8 blocks of 8 warps an SM.
+unsigned warp_grid(int64_t rows, unsigned sms) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, 8 * sms)));
+}
+
+// out (rows, H) contiguous: x[source[r] / top_k] (times scale[source[r]]), 0 on padding; with
+// `other` (rows, H), dot[s] = <x[t], other[r]> for the pairs that own a row. x, other and out
+// share a dtype.
+void gather_rows(const RowKernels& k, const at::Tensor& x_in, const at::Tensor& source_in, int64_t top_k,
+                 const std::optional<at::Tensor>& scale, const at::Tensor& out, const at::Tensor* other_in = nullptr,
+                 const at::Tensor* dot = nullptr) {
+  const int64_t num_pairs = x_in.size(0) * top_k, H = out.size(1);
   if (num_pairs == 0) {  // no pairs: every row is padding
     out.zero_();
     return;
   }
-  const at::Tensor hidden = unit_columns(hidden_in), source = source_in.contiguous();
-  const int64_t es = hidden.element_size();
-  void *source_p = source.data_ptr(), *out_p = out.data_ptr();
-  const void* hidden_p = hidden.data_ptr();
-  int32_t kk = static_cast<int32_t>(top_k);
-  if (!scale && hidden.scalar_type() == out.scalar_type() && (H * es) % 16 == 0 && (hidden.stride(0) * es) % 16 == 0 &&
-      aligned16(hidden) && aligned16(out)) {  // whole rows as 16-byte pieces
-    int64_t stride = hidden.stride(0) * es / 16, rows64 = rows, pairs = num_pairs;
-    int32_t chunks = static_cast<int32_t>(H * es / 16);
-    void* args[] = {&hidden_p, &stride, &source_p, &out_p, &rows64, &chunks, &kk, &pairs};
-    launch(device, k.gather, grid_for(rows * chunks, k.sms), 256, 0, args);
-    return;
-  }
+  const at::Tensor x = unit_columns(x_in), source = source_in.contiguous();
+  const at::Tensor other = other_in ? unit_columns(*other_in) : at::Tensor();
   const at::Tensor scale_c = scale ? scale->contiguous() : at::Tensor();
-  const void* scale_p = scale ? scale_c.data_ptr() : nullptr;
-  int32_t hidden_kind = element_kind(hidden.scalar_type()), scale_kind = scale ? element_kind(scale_c.scalar_type()) : -1,
-          out_kind = element_kind(out.scalar_type()), h32 = static_cast<int32_t>(H);
-  int64_t stride = hidden.stride(0), rows64 = rows, pairs = num_pairs;
-  void* args[] = {&hidden_p, &hidden_kind, &stride, &source_p, &scale_p, &scale_kind, &out_p, &out_kind, &rows64,
-                  &h32, &kk, &pairs};
-  launch(device, k.permute, grid_for(rows * H, k.sms), 256, 0, args);
+  GatherRowsArgs a{};
+  a.x = x.data_ptr();
+  a.source = static_cast<const int*>(source.data_ptr());
+  a.scale = scale ? scale_c.data_ptr() : nullptr;
+  a.other = other_in ? other.data_ptr() : nullptr;
+  a.out = out.data_ptr();
+  a.dot = dot ? dot->data_ptr() : nullptr;
+  a.x_stride = x.stride(0);
+  a.other_stride = other_in ? other.stride(0) : 0;
+  a.rows = out.size(0);
+  a.num_pairs = num_pairs;
+  a.H = static_cast<int>(H);
+  a.top_k = static_cast<int>(top_k);
+  a.kind = element_kind(out.scalar_type());
+  a.scale_kind = scale ? element_kind(scale_c.scalar_type()) : kRowNone;
+  a.dot_kind = dot ? element_kind(dot->scalar_type()) : kRowNone;
+  a.vector = other_in ? vector_rows(H, {&x, &out, &other}) : vector_rows(H, {&x, &out});
+  void* args[] = {&a};
+  launch(out.device().index(), k.gather, warp_grid(a.rows, k.sms), 256, 0, args);
 }
 
 at::Tensor moe_permute_cuda(const at::Tensor& hidden, const at::Tensor& row_of, const at::Tensor& source,
@@ -190,7 +207,7 @@ at::Tensor moe_permute_cuda(const at::Tensor& hidden, const at::Tensor& row_of, 
   const RowKernels* k = row_kernels(hidden, {hidden.scalar_type(), scale ? scale->scalar_type() : hidden.scalar_type()});
   if (!k) return python_kernel<at::Tensor>("moe_permute", hidden, row_of, source, scale);
   at::Tensor out = at::empty({source.size(0), hidden.size(1)}, hidden.options());
-  if (out.numel() > 0) permute_rows(*k, hidden, source, row_of.size(1), scale, out);
+  if (out.numel() > 0) gather_rows(*k, hidden, source, row_of.size(1), scale, out);
   return out;
 }
 
@@ -200,48 +217,46 @@ at::Tensor moe_unpermute_cuda(const at::Tensor& y_in, const at::Tensor& row_of_i
   c10::DeviceGuard guard(y_in.device());
   const RowKernels* k = row_kernels(y_in, {y_in.scalar_type(), weights ? weights->scalar_type() : y_in.scalar_type()});
   if (!k) return python_kernel<at::Tensor>("moe_unpermute", y_in, row_of_in, source, weights);
-  const int device = y_in.device().index();
-  const int64_t tokens = row_of_in.size(0), top_k = row_of_in.size(1), H = y_in.size(1);
-  at::Tensor out = at::empty({tokens, H}, y_in.options());
+  const int64_t H = y_in.size(1);
+  at::Tensor out = at::empty({row_of_in.size(0), H}, y_in.options());
   if (out.numel() == 0) return out;
   const at::Tensor y = unit_columns(y_in), row_of = row_of_in.contiguous();
   const at::Tensor w = weights ? weights->contiguous() : at::Tensor();
-  const void *y_p = y.data_ptr(), *w_p = weights ? w.data_ptr() : nullptr;
-  void *row_of_p = row_of.data_ptr(), *out_p = out.data_ptr();
-  int64_t y_rows = y.size(0), y_stride = y.stride(0), tokens64 = tokens;
-  int32_t w_kind = weights ? element_kind(w.scalar_type()) : -1, kk = static_cast<int32_t>(top_k),
-          h32 = static_cast<int32_t>(H), kind = element_kind(y.scalar_type());
-  void* args[] = {&y_p, &y_rows, &y_stride, &row_of_p, &w_p, &w_kind, &out_p, &tokens64, &kk, &h32, &kind};
-  launch(device, k->combine, grid_for(tokens * H, k->sms), 256, 0, args);
+  CombineRowsArgs a{};
+  a.y = y.data_ptr();
+  a.row_of = static_cast<const int*>(row_of.data_ptr());
+  a.weights = weights ? w.data_ptr() : nullptr;
+  a.out = out.data_ptr();
+  a.y_rows = y.size(0);
+  a.y_stride = y.stride(0);
+  a.tokens = out.size(0);
+  a.H = static_cast<int>(H);
+  a.top_k = static_cast<int>(row_of.size(1));
+  a.kind = element_kind(y.scalar_type());
+  a.weight_kind = weights ? element_kind(w.scalar_type()) : kRowNone;
+  a.vector = vector_rows(H, {&y, &out});
+  const int64_t per_row = a.vector ? H * y.element_size() / 16 : H;
+  void* args[] = {&a};
+  launch(y.device().index(), k->combine, grid_for(a.tokens * per_row, k->sms), 256, 0, args);
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> moe_unpermute_backward_cuda(const at::Tensor& grad_out_in, const at::Tensor& y_in,
-                                                               const at::Tensor& row_of_in, const at::Tensor& source,
+std::tuple<at::Tensor, at::Tensor> moe_unpermute_backward_cuda(const at::Tensor& grad_out_in, const at::Tensor& y,
+                                                               const at::Tensor& row_of, const at::Tensor& source,
                                                                const at::Tensor& weights) {
-  check_moe_unpermute_backward(grad_out_in, y_in, row_of_in, source, weights);
-  c10::DeviceGuard guard(y_in.device());
-  const RowKernels* k = row_kernels(y_in, {grad_out_in.scalar_type(), y_in.scalar_type(), weights.scalar_type()});
+  check_moe_unpermute_backward(grad_out_in, y, row_of, source, weights);
+  c10::DeviceGuard guard(y.device());
+  const RowKernels* k = row_kernels(y, {grad_out_in.scalar_type(), y.scalar_type(), weights.scalar_type()});
   if (!k) {
-    return python_kernel<std::tuple<at::Tensor, at::Tensor>>("moe_unpermute_backward", grad_out_in, y_in, row_of_in,
+    return python_kernel<std::tuple<at::Tensor, at::Tensor>>("moe_unpermute_backward", grad_out_in, y, row_of,
                                                              source, weights);
   }
-  const int device = y_in.device().index();
-  at::Tensor grad_y = at::empty(y_in.sizes(), y_in.options());
-  at::Tensor grad_weights = at::empty(weights.sizes(), weights.options());
-  if (grad_y.numel() > 0) permute_rows(*k, grad_out_in, source, row_of_in.size(1), weights, grad_y);
-  if (grad_weights.numel() == 0) return {grad_y, grad_weights};
-  // grad_weights[t, s] = <grad_out[t], y[row_of[t, s]]>, 0 for dropped pairs.
-  const at::Tensor grad_out = unit_columns(grad_out_in), y = unit_columns(y_in), row_of = row_of_in.contiguous();
-  const void *g_p = grad_out.data_ptr(), *y_p = y.data_ptr();
-  void *row_of_p = row_of.data_ptr(), *dot_p = grad_weights.data_ptr();
-  int32_t g_kind = element_kind(grad_out.scalar_type()), y_kind = element_kind(y.scalar_type()),
-          dot_kind = element_kind(grad_weights.scalar_type()), kk = static_cast<int32_t>(row_of.size(1)),
-          h32 = static_cast<int32_t>(y.size(1));
-  int64_t g_stride = grad_out.stride(0), y_rows = y.size(0), y_stride = y.stride(0), pairs = row_of.numel();
-  void* args[] = {&g_p, &g_kind, &g_stride, &y_p, &y_kind, &y_rows, &y_stride, &row_of_p, &dot_p, &dot_kind, &pairs,
-                  &kk, &h32};
-  launch(device, k->pair_dot, grid_for(pairs * 32, k->sms), 256, 0, args);
+  // One pass over the sorted rows: grad_y[r] = w * grad_out[t] and grad_weights[t, s] =
+  // <grad_out[t], y[r]>. Zeros first: dropped pairs own no row, so no warp writes theirs.
+  const at::Tensor grad_out = grad_out_in.scalar_type() == y.scalar_type() ? grad_out_in : grad_out_in.to(y.scalar_type());
+  at::Tensor grad_y = at::empty(y.sizes(), y.options());
+  at::Tensor grad_weights = at::zeros(weights.sizes(), weights.options());
+  if (grad_y.numel() > 0) gather_rows(*k, grad_out, source, row_of.size(1), weights, grad_y, &y, &grad_weights);
   return {grad_y, grad_weights};
 }
 
