@@ -11,7 +11,7 @@ its first call at a shape and keeps.
 Built at first use with torch's C++ extension builder into an on-disk cache keyed by the
 sources, the torch version and the Python version (``COMPILED_MOE_CACHE_DIR``, default
 ``~/.cache/compiled_moe``), as the NVRTC cubins are: a wheel of compiled code would have to
-match each torch release's C++ ABI (2.11-2.13 here), and a build at install time would need
+match each torch release's C++ ABI (2.11-2.15 here), and a build at install time would need
 the compiler at ``pip install`` and again for every torch upgrade. It needs a C++ compiler and
 ninja, nothing of a CUDA toolkit: ``cuda.h`` comes from the ``nvidia-cuda-runtime`` wheel that
 GPU builds of torch install (or ``CUDA_HOME``), and libcuda is opened at run time. Without

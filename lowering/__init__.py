@@ -49,7 +49,7 @@ def missing_hooks() -> tuple[str, ...]:
     except ImportError as e:
         return (f"import: {e}",)
     missing = []
-    if "pre_grad_custom_pass" not in dir(config):
+    if not hasattr(config, "pre_grad_custom_pass"):
         missing.append("torch._inductor.config.pre_grad_custom_pass")
     if "config_patches" not in inspect.signature(compile_fx).parameters:
         missing.append("compile_fx(config_patches=)")

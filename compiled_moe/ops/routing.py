@@ -191,6 +191,7 @@ def _check_unpermute(y, row_of, source, weights) -> None:
 
 @kernel_op("moe_permute", device_types=("cuda", "cpu"), autograd="formula",
            host=host_row_op("moe_permute"))
+@on_tensor_device
 def _moe_permute(hidden: Tensor, row_of: Tensor, source: Tensor,
                  scale: Optional[Tensor] = None) -> Tensor:
     _check_permute(hidden, row_of, source, scale)
@@ -226,6 +227,7 @@ _moe_permute.register_autograd(_permute_backward, setup_context=_permute_setup)
 
 @kernel_op("moe_unpermute", device_types=("cuda", "cpu"), autograd="formula",
            host=host_row_op("moe_unpermute"))
+@on_tensor_device
 def _moe_unpermute(y: Tensor, row_of: Tensor, source: Tensor,
                    weights: Optional[Tensor] = None) -> Tensor:
     _check_unpermute(y, row_of, source, weights)
@@ -276,6 +278,7 @@ def _check_unpermute_backward(grad_out, y, row_of, source, weights) -> None:
 
 @kernel_op("moe_unpermute_backward", device_types=("cuda", "cpu"),
            host=host_row_op("moe_unpermute_backward"))
+@on_tensor_device
 def _moe_unpermute_backward(grad_out: Tensor, y: Tensor, row_of: Tensor, source: Tensor,
                             weights: Tensor) -> tuple[Tensor, Tensor]:
     """(grad_y, grad_weights) of moe_unpermute with weights, in one pass over the sorted rows
