@@ -55,7 +55,7 @@ MODULES = (activations, grouped_mm, moe_mlp, quantize, routing, scaled_grouped_m
 
 
 class Recorder:
-    """Stands in for ``wrap_triton``: ``wrap_triton(kernel)[grid](*args, **kwargs)`` records."""
+    """Stands in for ``traceable``: ``traceable(kernel)[grid](*args, **kwargs)`` records."""
 
     def __init__(self):
         self.launches = []
@@ -133,7 +133,7 @@ def record(model, launch_all=None) -> list:
     recorder = Recorder()
     saved = {}
     for module in MODULES:
-        for name, stub in (("wrap_triton", recorder), ("_num_sms", lambda index: NUM_SMS)):
+        for name, stub in (("traceable", recorder), ("_num_sms", lambda index: NUM_SMS)):
             if hasattr(module, name):
                 saved[(module, name)] = getattr(module, name)
                 setattr(module, name, stub)

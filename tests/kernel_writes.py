@@ -5,7 +5,8 @@ analysis compiles the kernels to Triton IR, which interpreted kernels cannot giv
 launches are recorded as scripts/kernel_report.py records them (fake CUDA tensors, so the GPU
 tile configs), with more variants of each launcher (biases, gathers, probs, every recipe), and
 analysed for an sm_90 target with
-``torch._higher_order_ops.triton_kernel_wrap.identify_accessed_tensors``, the function that
+``torch._higher_order_ops.triton_kernel_wrap.identify_accessed_tensors`` (``identify_mutated_tensors``
+before torch 2.13), the function that
 decides what a compiled graph must copy before a launch. Prints one JSON line: a list of
 [kernel name, written arguments, tensor arguments] per distinct launch.
 """
@@ -44,7 +45,16 @@ class _Hopper:
 
 driver.set_active(_Hopper())
 
-from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors  # noqa: E402
+try:  # torch 2.13 and later
+    from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors  # noqa: E402
+
+    def written(kernel, named) -> list[str]:
+        return sorted(dep.name for dep in identify_accessed_tensors(kernel, named, {}).read_writes.writes)
+except ImportError:  # torch 2.11 and 2.12: the same analysis, naming the written tensors only
+    from torch._higher_order_ops.triton_kernel_wrap import identify_mutated_tensors  # noqa: E402
+
+    def written(kernel, named) -> list[str]:
+        return sorted(identify_mutated_tensors(kernel, named, {}))
 
 from compiled_moe.kernels import (activations, grouped_mm, moe_mlp, quantize,  # noqa: E402
                                   routing, scaled_grouped_mm)
@@ -105,8 +115,7 @@ def main() -> None:
         named = dict(zip(kernel.arg_names, args))
         named.update((k, v) for k, v in kwargs.items() if k not in LAUNCH_OPTIONS)
         tensors = sorted(n for n, v in named.items() if isinstance(v, torch.Tensor))
-        accesses = identify_accessed_tensors(kernel, named, {})
-        writes = sorted(dep.name for dep in accesses.read_writes.writes)
+        writes = written(kernel, named)
         entry = [kernel.fn.__name__, writes, tensors]
         if entry not in found:
             found.append(entry)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
+from compiled_moe.kernels import traceable
 
 from compiled_moe.kernels.configs import activation_config, size_hint
 from compiled_moe.reference import ACTIVATION_CODES
@@ -197,7 +197,7 @@ def _launch(h, grad, out, activation, gate_up_layout, alpha, limit, backward, ac
     # Backward with probs: one column program a row block, so dprobs sums in a fixed order.
     grid = (triton.cdiv(M, cfg.block_m),
             1 if has_probs and backward else triton.cdiv(inter, cfg.block_n))
-    wrap_triton(_activation_kernel)[grid](
+    traceable(_activation_kernel)[grid](
         h, grad if backward else h, out, act_out if act_out is not None else out,
         probs.contiguous() if has_probs else h, dprobs if has_probs else h, M, inter,
         h.stride(0), grad.stride(0) if backward else 0, out.stride(0),

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 from torch._guards import TracingContext
-from torch.library import wrap_triton
+from compiled_moe.kernels import traceable
 
 from compiled_moe.kernels.configs import (
     size_hint,
@@ -460,7 +460,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, bias: torch
     tma_store = use_tma and _tma_ok(out) and out.element_size() <= a.element_size()
     num_programs = _num_sms(_device_index(a)) * cfg.ctas_per_sm
     has_bias = bias is not None
-    wrap_triton(_grouped_mm_kernel)[(num_programs,)](
+    traceable(_grouped_mm_kernel)[(num_programs,)](
         a, b, out, bias if has_bias else out, offs,
         M, N, K, G,
         a.stride(0), a.stride(1),
@@ -497,7 +497,7 @@ def grouped_mm_wgrad(a: torch.Tensor, grad_out: torch.Tensor, offs: torch.Tensor
     tma_store = use_tma and _tma_ok(out) and out.element_size() <= a.element_size()
     num_programs = _num_sms(_device_index(a)) * cfg.ctas_per_sm
     has_mask = accumulate_mask is not None
-    wrap_triton(_grouped_mm_wgrad_kernel)[(num_programs,)](
+    traceable(_grouped_mm_wgrad_kernel)[(num_programs,)](
         a, grad_out, out, accumulate_mask if has_mask else offs, offs,
         M, K, N, G,
         a.stride(0), a.stride(1),
@@ -521,7 +521,7 @@ def grouped_sum(x: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
     offs = offs.contiguous()
     cfg = grouped_sum_config(size_hint(N), x.device.type)
     grid = (G, triton.cdiv(N, cfg.block_n))
-    wrap_triton(_grouped_sum_kernel)[grid](
+    traceable(_grouped_sum_kernel)[grid](
         x, out, offs, M, N, G,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         G_PAD=_pad_groups(G), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

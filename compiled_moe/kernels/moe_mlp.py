@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
+from compiled_moe.kernels import traceable
 
 from compiled_moe.kernels.activations import CODES, GATED, gated_forward, plain_forward
 from compiled_moe.kernels.configs import mlp_fc1_config, size_hint
@@ -252,7 +252,7 @@ def mlp_fc1(x: torch.Tensor, source: torch.Tensor | None, top_k: int, w1: torch.
     tma_out = _epilogue_tma(cfg, inter, interleaved or not gated, out,
                             *([h] if h is not None else []))
     num_programs = _num_sms(_device_index(x)) * cfg.ctas_per_sm
-    wrap_triton(_mlp_fc1_kernel)[(num_programs,)](
+    traceable(_mlp_fc1_kernel)[(num_programs,)](
         x, source if source is not None else offs, w1, bias if bias is not None else out,
         probs if probs is not None else out, h if h is not None else out, out, offs,
         M, inter, K, G, max(top_k, 1), x.shape[0] * top_k, float(alpha), float(limit),

@@ -23,7 +23,7 @@ import math
 
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
+from compiled_moe.kernels import traceable
 
 from compiled_moe import reference
 from compiled_moe.kernels.configs import quantize_config, size_hint
@@ -480,7 +480,7 @@ def quantize_tiles(x, q, s, recipe: str, weight: bool, col=None) -> None:
     if scale_c == 0:
         cfg = quantize_config("rows", x.device.type, size_hint(cols))
         grid = (triton.cdiv(rows, cfg.block_m), num_groups)
-        wrap_triton(_quantize_rows_kernel)[grid](
+        traceable(_quantize_rows_kernel)[grid](
             x3, q3, s3, rows, cols, *x3.stride(), *q3.stride(), s3.stride(0), s3.stride(1),
             BLOCK_R=cfg.block_m, BLOCK_C=cfg.block_n, num_warps=cfg.num_warps, **_math())
         return
@@ -490,13 +490,13 @@ def quantize_tiles(x, q, s, recipe: str, weight: bool, col=None) -> None:
     grid = (triton.cdiv(rows, block_r) * triton.cdiv(cols, block_c), num_groups)
     common = dict(E8M0=recipe == "mxfp8", num_warps=cfg.num_warps, **_math())
     if scale_r == 1:
-        wrap_triton(_quantize_row_blocks_kernel)[grid](
+        traceable(_quantize_row_blocks_kernel)[grid](
             x3, q3, s3, rows, cols, *x3.stride(), *q3.stride(), *s3.stride(),
             BLOCK_R=block_r, BLOCK_C=block_c, SCALE_C=scale_c, **common)
         return
     transposed = col is not None
     qt3, st3 = col if transposed else (q3, s3)  # unused pointers when not transposed
-    wrap_triton(_quantize_tiles_kernel)[grid](
+    traceable(_quantize_tiles_kernel)[grid](
         x3, q3, s3, qt3, st3, rows, cols, *x3.stride(), *q3.stride(), *s3.stride(),
         *qt3.stride(), *st3.stride(),
         BLOCK_R=block_r, BLOCK_C=block_c, SCALE_R=scale_r, SCALE_C=scale_c,
@@ -514,7 +514,7 @@ def quantize_group_columns(x, offs, col_q, col_s, row_q, row_s, recipe: str) -> 
     if block_rows == 0:
         cfg = quantize_config("group_columns_whole", x.device.type, size_hint(K))
         grid = (G + 1, triton.cdiv(K, cfg.block_n))
-        wrap_triton(_quantize_group_columns_whole_kernel)[grid](
+        traceable(_quantize_group_columns_whole_kernel)[grid](
             x, offs, col_q, col_s, M, K, G, x.stride(0), x.stride(1),
             col_q.stride(0), col_q.stride(1), col_s.stride(0), col_s.stride(1),
             G_PAD=_pad_groups(G + 1), BLOCK_ROWS=cfg.block_m, BLOCK_K=cfg.block_n,
@@ -530,7 +530,7 @@ def quantize_group_columns(x, offs, col_q, col_s, row_q, row_s, recipe: str) -> 
     step_rows = math.gcd(max(cfg.block_m, 1), block_rows)  # rows per step: divides the block
     grid = (col_s.shape[1] * triton.cdiv(K, block_k),)
     rq, rs = (row_q, row_s) if rowwise else (col_q, col_s)
-    wrap_triton(_quantize_group_columns_kernel)[grid](
+    traceable(_quantize_group_columns_kernel)[grid](
         x, offs, col_q, col_s, rq, rs, M, K, G,
         x.stride(0), x.stride(1), col_q.stride(0), col_q.stride(1),
         col_s.stride(0), col_s.stride(1),

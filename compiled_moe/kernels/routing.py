@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
+from compiled_moe.kernels import traceable
 
 from compiled_moe.kernels.configs import route_one_program_config
 
@@ -54,7 +54,7 @@ def route_one_program(topk_ids: torch.Tensor, num_experts: int, pad_multiple: in
     trace (wrap_triton records it); otherwise launched directly (an opaque op's body)."""
     n = topk_ids.numel()
     cfg = route_one_program_config(n, num_experts, topk_ids.device.type)
-    kernel = wrap_triton(_route_one_program_kernel) if traced else _route_one_program_kernel
+    kernel = traceable(_route_one_program_kernel) if traced else _route_one_program_kernel
     kernel[(1,)](
         topk_ids.contiguous(), offs, row_of, source, n, source.shape[0], num_experts, pad_multiple,
         BLOCK_N=cfg.block_m, BLOCK_E=cfg.block_n, num_warps=cfg.num_warps,

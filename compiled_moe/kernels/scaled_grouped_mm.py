@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
+from compiled_moe.kernels import traceable
 
 from compiled_moe import reference
 from compiled_moe.kernels.configs import (
@@ -312,7 +312,7 @@ def scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe: str, out, bias=None)
     cfg = scaled_grouped_mm_config(size_hint(N), size_hint(K), recipe, a.device.type)
     use_tma = K > 0 and _use_tma(a, b.transpose(1, 2))
     num_programs = _num_sms(_device_index(a)) * cfg.ctas_per_sm
-    wrap_triton(_scaled_grouped_mm_kernel)[(num_programs,)](
+    traceable(_scaled_grouped_mm_kernel)[(num_programs,)](
         a, b, a_scale, b_scale, out, bias if bias is not None else out, offs,
         M, N, K, G,
         a.stride(0), b.stride(0), b.stride(2),
@@ -340,7 +340,7 @@ def scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe: str, out) 
                                          recipe, a_t.device.type)
     use_tma = M > 0 and _use_tma(a_t, d_t)
     num_programs = _num_sms(_device_index(a_t)) * cfg.ctas_per_sm
-    wrap_triton(_scaled_grouped_mm_wgrad_kernel)[(num_programs,)](
+    traceable(_scaled_grouped_mm_wgrad_kernel)[(num_programs,)](
         a_t, d_t, a_scale, d_scale, out, offs,
         M, K, N, G,
         a_t.stride(0), d_t.stride(0),
