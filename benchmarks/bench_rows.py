@@ -24,7 +24,7 @@ from common import MODELS, bench, environment, write_json
 QWEN3 = next(m for m in MODELS if m.name.startswith("Qwen3"))
 
 
-def routing(tokens: int, experts: int, k: int, kind: str, seed: int = 0):
+def routing(tokens: int, experts: int, k: int, kind: str, seed: int = 0, device="cuda"):
     """topk_ids (T, k) of k distinct experts a token: "uniform" (every expert alike) or "zipf"
     (expert e drawn with probability proportional to 1 / (e + 1), a hot few and a long tail);
     topk_weights (T, k) fp32 softmax of random logits."""
@@ -36,7 +36,7 @@ def routing(tokens: int, experts: int, k: int, kind: str, seed: int = 0):
         probs = probs[torch.randperm(experts, generator=gen)]
     ids = torch.multinomial(probs.float().expand(tokens, -1), k, generator=gen)
     weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1)
-    return ids.to("cuda"), weights.to("cuda")
+    return ids.to(device), weights.to(device)
 
 
 def copy_ms(nbytes: int) -> float:

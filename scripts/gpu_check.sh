@@ -16,6 +16,8 @@ python3 benchmarks/bench_grouped_mm.py --json "$OUT/bench_grouped_mm.json" 2>&1 
     | tee "$OUT/bench_grouped_mm.log" || status=1
 python3 benchmarks/bench_experts.py --json "$OUT/bench_experts.json" 2>&1 \
     | tee "$OUT/bench_experts.log" || status=1
+python3 benchmarks/bench_rows.py --json "$OUT/bench_rows.json" 2>&1 \
+    | tee "$OUT/bench_rows.log" || status=1
 python3 benchmarks/bench_fp8.py --json "$OUT/bench_fp8.json" 2>&1 \
     | tee "$OUT/bench_fp8.log" || status=1
 python3 benchmarks/bench_quantize.py --no-baseline 2>&1 | tee "$OUT/bench_quantize.log" || status=1

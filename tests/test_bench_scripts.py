@@ -26,6 +26,23 @@ def test_eager_op_table_calls_every_op():
     assert all(r["host_us"] > 0 for r in rows)
 
 
+def test_rows_benchmark_routings():
+    """benchmarks/bench_rows.py's routings: k distinct experts a token; Zipf's hottest expert
+    takes many times the uniform share, uniform routing none."""
+    import torch
+
+    import bench_rows
+
+    for kind, least_ratio in (("uniform", 0.8), ("zipf", 5.0)):
+        ids, weights = bench_rows.routing(4096, 128, 8, kind, device="cpu")
+        assert ids.shape == weights.shape == (4096, 8)
+        assert all(len(set(row)) == 8 for row in ids.tolist())
+        counts = torch.bincount(ids.reshape(-1), minlength=128).float()
+        ratio = counts.max() / counts.mean()
+        assert ratio >= least_ratio and (kind == "zipf" or ratio < 1.5), (kind, ratio)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(4096))
+
+
 def test_wgrad_unaligned_problems():
     """benchmarks/tools/bench_wgrad_unaligned.py's cases: groups off 16-row starts and the same
     counts rounded up to 16 rows, each a valid weight-gradient call."""

@@ -68,6 +68,31 @@ def test_permute_unpermute_match_reference(dtype, H, scaled):
                               reference.moe_unpermute_dot(grad, y, row_of).to(scale.dtype), atol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_maps_that_disagree(dtype):
+    """row_of and source that name each other only in part (and entries outside the tensors):
+    the kernels read from the token side where the maps agree and from the row side elsewhere,
+    so every row is written once and equals the reference's x[source[r] // k]; memory first
+    filled with NaN must not show through."""
+    from test_routing import _corrupt
+
+    tokens, k, H = 200, 4, 256
+    offs, row_of, source = _routing(tokens, k, 16, pad=8, seed=3)
+    row_of, source = (t.cuda() for t in _corrupt(row_of.cpu(), source.cpu()))
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(tokens, H, generator=g).to(dtype).cuda()
+    w = torch.rand(tokens, k, generator=g).to(dtype).cuda()
+    y = torch.randn(source.shape[0], H, generator=g).to(dtype).cuda()
+    torch.full((4 * source.shape[0], H), float("nan"), device="cuda", dtype=dtype)  # freed: reused
+    x = ops.moe_permute(hidden, row_of, source)
+    xs = ops.moe_permute(hidden, row_of, source, w)
+    grad_y, grad_w = ops.moe_unpermute_backward(hidden, y, row_of, source, w)
+    assert torch.equal(x, reference.moe_permute(hidden, source, k))
+    torch.testing.assert_close(xs.float(), reference.moe_permute(hidden, source, k, w).float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(grad_y, xs, rtol=0, atol=0)
+    assert torch.isfinite(grad_w).all()
+
+
 def test_permute_strided_and_empty():
     offs, row_of, source = _routing(64, 2, 8, pad=1)
     wide = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
