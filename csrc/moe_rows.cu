@@ -14,7 +14,7 @@
 typedef unsigned short u16;
 
 __device__ __forceinline__ float to_float(u16 v, int kind) {
-  if (kind == 0) return __uint_as_float(((unsigned)v) << 16);
+  if (kind == kRowBF16) return __uint_as_float(((unsigned)v) << 16);
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
   return f;
@@ -22,17 +22,17 @@ __device__ __forceinline__ float to_float(u16 v, int kind) {
 
 __device__ __forceinline__ u16 from_float(float v, int kind) {  // round to nearest even
   unsigned r;
-  if (kind == 0) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(0.0f), "f"(v));
+  if (kind == kRowBF16) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(0.0f), "f"(v));
   else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(0.0f), "f"(v));
   return (u16)(r & 0xffffu);
 }
 
 __device__ __forceinline__ float load(const void* p, long long i, int kind) {
-  return kind == 2 ? ((const float*)p)[i] : to_float(((const u16*)p)[i], kind);
+  return kind == kRowF32 ? ((const float*)p)[i] : to_float(((const u16*)p)[i], kind);
 }
 
 __device__ __forceinline__ void store(void* p, long long i, float v, int kind) {
-  if (kind == 2) ((float*)p)[i] = v;
+  if (kind == kRowF32) ((float*)p)[i] = v;
   else ((u16*)p)[i] = from_float(v, kind);
 }
 

@@ -273,7 +273,7 @@ def _exchange_counts(topk_ids: Tensor, num_experts: int, group, hidden: Tensor |
         raise ValueError(f"topk_ids holds expert ids outside [0, {num_experts}) on the "
                          f"expert-parallel group's ranks (per rank: {invalid}); the exact mode "
                          "has no row for them")
-    for i, what in enumerate(("num_experts (E/P = w1.shape[0] times the group size)",
+    for i, what in enumerate(("num_experts (w1.shape[0] times the group size)",
                               "hidden's width H", "hidden's dtype")):
         seen = [r[2 + i] for r in received]
         if len(set(seen)) > 1:

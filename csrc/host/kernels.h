@@ -9,6 +9,7 @@
 
 #include <torch/extension.h>
 
+#include "../row_args.cuh"
 #include "cuda_driver.h"
 
 namespace compiled_moe {
@@ -73,10 +74,10 @@ inline const Kernels& device_kernels(int device) {
   return kernels.emplace(device, k).first->second;
 }
 
-// csrc/moe_rows.cu's element kinds: 0 bf16, 1 fp16, 2 fp32; -1 for the others (which the row
-// kernels do not take).
+// csrc/moe_rows.cu's element kind of a dtype (row_args.cuh's RowElementKind); kRowNone for the
+// dtypes the row kernels do not take.
 inline int element_kind(c10::ScalarType t) {
-  return t == c10::kBFloat16 ? 0 : t == c10::kHalf ? 1 : t == c10::kFloat ? 2 : -1;
+  return t == c10::kBFloat16 ? kRowBF16 : t == c10::kHalf ? kRowF16 : t == c10::kFloat ? kRowF32 : kRowNone;
 }
 
 inline unsigned grid_for(int64_t elements, unsigned sms) {  // grid-stride kernels: up to 8 blocks an SM

@@ -25,7 +25,6 @@
 
 #if __has_include(<cuda.h>)
 #define COMPILED_MOE_CUDA 1
-#include "../row_args.cuh"
 #include "cuda_driver.h"
 #include "kernels.h"
 #endif
