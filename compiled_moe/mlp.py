@@ -19,7 +19,7 @@ from compiled_moe.reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, check_recipe
 
 def _needs_grad(*tensors: Tensor | None) -> bool:
     # is_grad_enabled by name: a traced frame that reaches `torch` through two modules' globals
-    # (this one's and experts.py's) gets a Python-level guard that they are the same object.
+    # (this one's and local_experts.py's) gets a Python-level guard that they are the same object.
     return is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 

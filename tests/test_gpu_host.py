@@ -166,7 +166,7 @@ def test_opcheck():
 
 # ---------------------------------------------------------------------------- the experts block
 
-from compiled_moe.experts import host_block_applies  # noqa: E402
+from compiled_moe.local_experts import host_block_applies  # noqa: E402
 from helpers import capture_graph, loop_moe_experts  # noqa: E402
 
 BLOCK_CASES = [  # (activation, layout, biases, tokens, id dtype, weight dtype)

@@ -182,7 +182,7 @@ def _experts(activation, biases, tokens=19, hidden=16, inter=8, experts=5, k=2,
 def test_fused_experts_interpreter(monkeypatch, activation, layout, biases, gather):
     """gather: FC1 reads hidden rows through the routing map; else the block permutes first
     (the choice for wide experts)."""
-    from compiled_moe import experts
+    from compiled_moe import local_experts as experts
 
     monkeypatch.setattr(experts, "mlp_gathers_input", lambda inter: gather)
     inp = _experts(activation, biases)

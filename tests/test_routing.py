@@ -447,7 +447,7 @@ def test_compiled_experts_guards_only_what_the_graph_depends_on():
         inp["hidden"], inp["topk_ids"], inp["topk_weights"])
     guards = str(_debug_get_cache_entry_list(block.__code__)[0].guard_manager)
     # (a guard's comment names the source line that made it: ops/_dispatch.py holds the checks)
-    for helper in ("_check_experts_args", "ops/_dispatch.py", "ACTIVATIONS", "GATE_UP_LAYOUTS"):
+    for helper in ("check_experts_args", "ops/_dispatch.py", "ACTIVATIONS", "GATE_UP_LAYOUTS"):
         assert helper not in guards, helper
     # (one Python-level guard is torch's own; a second one compared two modules' `torch`)
     assert guards.count("LAMBDA_GUARD") <= 1

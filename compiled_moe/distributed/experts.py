@@ -25,6 +25,7 @@ from torch import Tensor
 from compiled_moe.distributed.dispatch import (check_backend, check_group, check_mode,
                                                plan_exchange)
 from compiled_moe.distributed.exchange import exchange
+from compiled_moe.local_experts import check_experts_args, local_moe_experts
 
 _exchange_streams: dict = {}
 
@@ -80,15 +81,13 @@ def ep_moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: T
         ``(out, dropped)``: out (T, H) in hidden's dtype; dropped int64 () on the device, the
         pairs of this rank that were dropped (past capacity, or ids outside [0, E)).
     """
-    from compiled_moe.experts import _check_experts_args, moe_experts
-
     compiling = torch.compiler.is_compiling()
     group_size = ep_group.size() if compiling else check_group(ep_group)
     if num_chunks is None:
         num_chunks = default_num_chunks(group_size)
     check_mode(capacity_factor, num_chunks, max_tokens)
     if not compiling:
-        _check_experts_args(hidden, topk_ids, topk_weights, w1, w2,
+        check_experts_args(hidden, topk_ids, topk_weights, w1, w2,
                             block_kwargs.get("activation", "swiglu"),
                             block_kwargs.get("gate_up_layout", "stacked"), block_kwargs.get("b1"),
                             block_kwargs.get("b2"), block_kwargs.get("fp8_recipe"))
@@ -131,7 +130,7 @@ def ep_moe_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: T
         # The local block on the received rows: one slot per row, weight 1 (routing weights
         # are applied at the source), ids -1 on unused rows, which it skips.
         ones = torch.ones(recv_x.shape[0], 1, device=recv_x.device, dtype=recv_x.dtype)
-        y = moe_experts(recv_x, recv_ids.view(-1, 1), ones, w1, w2, **block_kwargs)
+        y = local_moe_experts(recv_x, recv_ids.view(-1, 1), ones, w1, w2, **block_kwargs)
         if pipelined:
             side.wait_stream(compute)
         with on_side():
@@ -156,8 +155,6 @@ def ep_block(hidden, topk_ids, topk_weights, w1, w2, *, ep_group, capacity_facto
     """What ``moe_experts(..., ep_group=...)`` runs: :func:`ep_moe_experts`, except over a
     group of one rank, where the exchanges are the identity and the block is the local one on
     the tokens with dropped pairs' ids set to -1 (same drops, same sums, no copies)."""
-    from compiled_moe.experts import moe_experts
-
     compiling = torch.compiler.is_compiling()
     group_size = ep_group.size() if compiling else check_group(ep_group)
     if group_size > 1:
@@ -169,4 +166,4 @@ def ep_block(hidden, topk_ids, topk_weights, w1, w2, *, ep_group, capacity_facto
         check_backend(ep_group, hidden, "hidden")
     plan = plan_exchange(topk_ids, w1.shape[0], ep_group, capacity_factor, max_tokens=max_tokens)
     kept_ids = torch.where(plan.row_of >= 0, topk_ids, -1)
-    return moe_experts(hidden, kept_ids, topk_weights, w1, w2, **block_kwargs), plan.dropped
+    return local_moe_experts(hidden, kept_ids, topk_weights, w1, w2, **block_kwargs), plan.dropped

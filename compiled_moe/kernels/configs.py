@@ -260,7 +260,7 @@ def grouped_sum_config(n: int, device_type: str) -> TileConfig:
 ROUTE_ONE_PROGRAM_PAIRS = 1024
 
 # Eager calls of up to this many (token, slot) pairs run the experts block as one call of the
-# C++ host layer forward and one backward (host.py; experts.py's host_block_applies): route,
+# C++ host layer forward and one backward (host.py; local_experts.py's host_block_applies): route,
 # gather, the CUDA GEMMs, activation, combine and their gradients. Below it a step's host time
 # exceeds its GPU time (a decoding model or a small batch: T = 1-512 tokens at k = 8); above
 # it the fused path's Triton FC1, which gathers rows and applies the activation in its
