@@ -30,6 +30,7 @@ import re
 import sys
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -110,11 +111,29 @@ def _handle(source: str, name: str, dev: int) -> int:
     return native.function_handle(native.kernel(source, name, dev), dev)
 
 
-def route_kernels(dev: int) -> tuple:
-    """The layer's question, once per device: the route kernels' handles (csrc/moe_route.cu;
-    csrc/host/kernels.h's RouteKernels)."""
-    return tuple(_handle("moe_route", f"moe_route_{step}_{ids}", dev)
-                 for step in ("rank", "place") for ids in ("i32", "i64"))
+def route_kernels(dev: int) -> dict:
+    """The layer's question, once per device: {name: handle} of the route kernels
+    (csrc/moe_route.cu; csrc/host/kernels.h's RouteKernels reads them by name)."""
+    names = [f"moe_route_{step}_{ids}" for step in ("rank", "place") for ids in ("i32", "i64")]
+    return {name: _handle("moe_route", name, dev) for name in names}
+
+
+@functools.lru_cache(maxsize=None)
+def plan_fields() -> dict[str, tuple[tuple[str, str], ...]]:
+    """{plan name: ((C++ type, field name), ...)} of csrc/host/plans.h, the one definition of
+    the plans Python hands the layer."""
+    text = (source_dir() / "plans.h").read_text()
+    lists = {m.group(1): re.findall(r"F\((\w+), (\w+)\)", m.group(2))
+             for m in re.finditer(r"#define (COMPILED_MOE_\w+_PLAN)\(F\)((?:.*\\\n)*.*)", text)}
+    plans = re.search(r"#define COMPILED_MOE_PLANS\(PLAN\)((?:.*\\\n)*.*)", text).group(1)
+    return {name: tuple(lists[fields]) for name, fields in re.findall(r"PLAN\((\w+), (\w+)\)", plans)}
+
+
+@functools.lru_cache(maxsize=None)
+def plan_type(name: str) -> type:
+    """The NamedTuple of plan `name`, its fields in csrc/host/plans.h's order. Build it by
+    keyword: the fields are the layer's, read there by name."""
+    return NamedTuple(name, [(field, int) for _, field in plan_fields()[name]])
 
 
 def row_kernel_names() -> list[str]:

@@ -9,10 +9,12 @@ cuda-python.
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import functools
 import hashlib
 import os
+import re
 import tempfile
 import threading
 import warnings
@@ -46,6 +48,35 @@ def csrc_dir() -> Path:
         if d.is_dir():
             return d
     raise FileNotFoundError(f"compiled_moe's csrc/ directory not found (looked in {_CSRC_DIRS})")
+
+
+@functools.lru_cache(maxsize=None)
+def launch_constants() -> dict[str, int]:
+    """csrc/sm90_launch.cuh's constants ({name: value}): what the Hopper GEMMs' launches must
+    agree on with their kernels, defined once there for the kernels, the C++ layer and here."""
+    values: dict[str, int] = {}
+    text = (csrc_dir() / "sm90_launch.cuh").read_text()
+    for name, expr in re.findall(r"^constexpr int (\w+) = ([^;]+);", text, re.M):
+        values[name] = _integer_expression(expr, values)
+    return values
+
+
+def _integer_expression(expr: str, names: dict[str, int]) -> int:
+    """An integer expression of C (+, -, *, / toward zero, parentheses, earlier names)."""
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.Name) and node.id in names:
+            return names[node.id]
+        if isinstance(node, ast.BinOp) and type(node.op) in _C_OPERATORS:
+            return _C_OPERATORS[type(node.op)](value(node.left), value(node.right))
+        raise ValueError(f"sm90_launch.cuh: not an integer expression of known names: {expr!r}")
+    return value(ast.parse(expr.replace("/", "//"), mode="eval").body)
+
+
+_C_OPERATORS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
+                ast.Mult: lambda a, b: a * b,
+                ast.FloorDiv: lambda a, b: abs(a) // abs(b) * (1 if (a >= 0) == (b >= 0) else -1)}
 
 
 def source_files() -> list[Path]:

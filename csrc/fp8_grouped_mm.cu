@@ -30,7 +30,7 @@ constexpr int TILE_BYTES = BLOCK_M * BLOCK_K;  // one e4m3 operand tile, 16 KB
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;
 constexpr int FRAG = BLOCK_N / 2;  // fp32 accumulators per consumer thread
 constexpr int MAX_STAGES = 8;
-constexpr int THREADS = 384;
+constexpr int THREADS = SM90_THREADS;
 
 // d (64 x 128 fp32, this warpgroup's fragment) = (accumulate ? d : 0) + a (64 x 32) . b (128 x 32)^T,
 // with a from shared memory (SS: a descriptor) or from registers (RS: 4 registers a thread, the

@@ -40,7 +40,7 @@ constexpr int FRAG = BLOCK_Q / 2;  // fp32 accumulators per consumer thread (64 
 constexpr int OUT_STAGE_BYTES = 64 * BLOCK_Q * 2;  // 32 KB
 constexpr int MAX_STAGES = 8;
 constexpr int BAND_P = 8;  // tile order: see band_tile (sm90.cuh)
-constexpr int THREADS = 384;
+constexpr int THREADS = SM90_THREADS;
 
 // d (64 x 256 fp32, this warpgroup's fragment) += a (64 x 16) . b (16 x 256); TA / TB: 0 K-major,
 // 1 M/N-major (wgmma's transposed forms, 16-bit types only).
@@ -277,7 +277,7 @@ WGRAD_KERNEL(grouped_mm_wgrad_f16_claimed, true, true)
 // Both weight gradients' tile order (TileQueue, sm90.cuh), and where group_maps is not null
 // their per-group maps (write_group_maps, rows in dimension row_dim): one block, launched
 // before them.
-extern "C" __global__ void __launch_bounds__(256, 1) wgrad_tile_order(
+extern "C" __global__ void __launch_bounds__(ORDER_THREADS, 1) wgrad_tile_order(
     const int* __restrict__ offs, int M, int G, int tiles_per_group, int rows_per_step, int claim_steps,
     int grid, int* __restrict__ order, const __grid_constant__ TensorMap a_map,
     const __grid_constant__ TensorMap b_map, TensorMap* __restrict__ group_maps, int row_dim) {

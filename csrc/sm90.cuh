@@ -3,6 +3,8 @@
 
 #pragma once
 
+#include "sm90_launch.cuh"
+
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
@@ -402,12 +404,11 @@ __device__ __forceinline__ int band_tile(int t, int num_p, int num_q, int band, 
 // previous tile's first load (a reader that pops while it holds a stage of that tile never
 // waits on loads it holds back), then the first claim past the last tile. Every reader warp
 // pops every tile in order (whole warps: the value is broadcast, so ptxas sees it uniform).
-constexpr int TILE_SLOTS = 8;
 struct TileQueue {
   // One shared address (the producer runs in 40 registers): full[TILE_SLOTS] (the producer's
   // write), empty[TILE_SLOTS] (lane 0 of every reader warp has read), tile[TILE_SLOTS].
   u32 base;
-  static constexpr int BYTES = TILE_SLOTS * (2 * 8 + 4);
+  static constexpr int BYTES = TILE_QUEUE_BYTES;
   __device__ __forceinline__ static TileQueue at(void* smem) {  // BYTES there, 8-byte aligned
     return TileQueue{smem_addr(smem)};
   }
@@ -451,8 +452,7 @@ struct TileQueue {
 // group's tiles add to runs of CTAs), O(G + grid). Group rows from offs as the kernels take them
 // when offs is valid (a corrupt offs can only change the choice of order). All threads of one
 // block. scratch: ORDER_SCRATCH long longs.
-constexpr int ORDER_MAX_GRID = 256, ORDER_PERCENT = 6;
-constexpr int ORDER_SCRATCH = (ORDER_MAX_GRID + 2) / 2 + 2 * 32 + 1;  // runs (ints), 2 sums a warp, the answer
+constexpr int ORDER_PERCENT = 6;  // (ORDER_MAX_GRID, ORDER_SCRATCH: sm90_launch.cuh)
 __device__ bool claims_tiles(const int* __restrict__ offs, int M, int G, int tiles_per_group,
                              int rows_per_step, int claim_steps, int grid, long long* scratch) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;

@@ -115,6 +115,26 @@ def test_grouped_mm_cuda_kernel_limits():
     assert not sm90.wgrad_supported(a, a, torch.bfloat16)
 
 
+def test_launch_constants_are_read_from_one_header():
+    """csrc/sm90_launch.cuh is the one definition of what the GEMMs' launches share with their
+    kernels: Python reads every constant of it, with C's integer arithmetic, and the launchers
+    take theirs from it (the kernels and the C++ layer include it)."""
+    from compiled_moe.kernels import grouped_mm_sm90, scaled_grouped_mm_sm90
+
+    text = (native.csrc_dir() / "sm90_launch.cuh").read_text()
+    constants = native.launch_constants()
+    assert list(constants) == re.findall(r"^constexpr int (\w+) =", text, re.M)
+    assert constants["ORDER_SCRATCH_BYTES"] == 8 * ((constants["ORDER_MAX_GRID"] + 2) // 2 + 65)
+    assert grouped_mm_sm90._THREADS == scaled_grouped_mm_sm90._THREADS == constants["SM90_THREADS"]
+    assert grouped_mm_sm90.TILE_QUEUE_BYTES == constants["TILE_QUEUE_BYTES"]
+    assert native._integer_expression("(7 - 10) / 2 + A * 3", {"A": 4}) == 11  # -3/2 = -1 in C
+    with pytest.raises(ValueError, match="not an integer expression"):
+        native._integer_expression("B + 1", {})
+    for source in ("grouped_mm.cu", "fp8_grouped_mm.cu", "sm90.cuh"):
+        body = (native.csrc_dir() / source).read_text()
+        assert "= 384" not in body and "ORDER_SCRATCH =" not in body, source
+
+
 def test_grouped_mm_cuda_dispatch_conditions(monkeypatch):
     """Which calls the Hopper kernels take (fake CUDA tensors, the device check forced on):
     everything else must go to the Triton kernels, so that no stride or dtype the kernels do

@@ -453,7 +453,8 @@ def test_wgrad_tile_order():
     summed tile by tile, and the claims' counter zeroed."""
     from compiled_moe import native
     from compiled_moe.kernels.configs import FP8_WGRAD_CLAIM_STEPS
-    from compiled_moe.kernels.grouped_mm_sm90 import ORDER_SCRATCH_BYTES, _map
+    from compiled_moe.kernels.grouped_mm_sm90 import _map
+    order_threads, order_bytes = (native.launch_constants()[k] for k in ("ORDER_THREADS", "ORDER_SCRATCH_BYTES"))
     kernel = native.kernel("grouped_mm", "wgrad_tile_order", torch.cuda.current_device())
     maps = _map(torch.empty(64, 64, device=DEV, dtype=torch.bfloat16))  # unread: no group maps
     seen = set()
@@ -477,7 +478,7 @@ def test_wgrad_tile_order():
         counts = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
         for claim_steps in (0, 4, FP8_WGRAD_CLAIM_STEPS):
             order = torch.full((2,), -1, dtype=torch.int32, device=DEV)
-            native.launch_driver(kernel, 1, 256, ORDER_SCRATCH_BYTES, offs, native.int32(M), native.int32(G),
+            native.launch_driver(kernel, 1, order_threads, order_bytes, offs, native.int32(M), native.int32(G),
                                  native.int32(tiles_per_group), native.int32(rows_per_step),
                                  native.int32(claim_steps), native.int32(grid), order, maps, maps,
                                  native.int64(0), native.int32(1))

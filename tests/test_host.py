@@ -725,3 +725,69 @@ def test_compile_dynamic_one_compile_through_the_cpp_formula():
     # (the failing guards, where it recompiled: with opt_einsum installed, the reference's
     # three-operand einsum once pinned the token count)
     assert counter.frame_count == 1, dict(torch._dynamo.utils.guard_failures)
+
+
+# ------------------------------------------------------------------ the plans' boundary
+
+_PLAN_MODULES = {  # plan -> (module, attribute) of the Python side that builds it
+    "GroupedMmPlan": ("compiled_moe.kernels.grouped_mm_sm90", "GroupedMmPlan"),
+    "GroupedMmWgradPlan": ("compiled_moe.kernels.grouped_mm_sm90", "GroupedMmWgradPlan"),
+    "ScaledGroupedMmPlan": ("compiled_moe.kernels.scaled_grouped_mm_sm90", "ScaledGroupedMmPlan"),
+    "ScaledGroupedMmWgradPlan": ("compiled_moe.kernels.scaled_grouped_mm_sm90",
+                                 "ScaledGroupedMmWgradPlan"),
+    "QuantizeColumnsPlan": ("compiled_moe.kernels.quantize_cuda", "QuantizeColumnsPlan"),
+    "QuantizeRowsPlan": ("compiled_moe.kernels.quantize_cuda", "QuantizeRowsPlan"),
+}
+_LIMITS = {"int": 2**31 - 1, "unsigned": 2**32 - 1, "int64_t": 2**63 - 1, "CUfunction": 2**63 - 1}
+
+
+def _cuda_layer():
+    if not host.module().has_cuda:
+        pytest.skip("the layer built without cuda.h: it reads no plans")
+    return host.module()
+
+
+def test_every_plan_is_built_from_plans_h():
+    """Each plan type the launchers build is the one parsed from csrc/host/plans.h, and every
+    plan there has a builder here."""
+    import importlib
+
+    assert set(host.plan_fields()) == set(_PLAN_MODULES)
+    for name, (module, attribute) in _PLAN_MODULES.items():
+        plan_type = getattr(importlib.import_module(module), attribute)
+        assert plan_type is host.plan_type(name)
+        assert plan_type._fields == tuple(field for _, field in host.plan_fields()[name])
+        assert {t for t, _ in host.plan_fields()[name]} <= set(_LIMITS), name
+
+
+@pytest.mark.parametrize("name", sorted(_PLAN_MODULES))
+def test_plan_round_trips_through_the_layer(name):
+    """The layer reads every field of every plan by name, into a C++ type that holds the
+    largest value of its declared type: distinct values, then each field's maximum, come back
+    as sent."""
+    layer = _cuda_layer()
+    fields = host.plan_fields()[name]
+    plan_type = host.plan_type(name)
+    distinct = plan_type(**{field: 1000 + 7 * i for i, (_, field) in enumerate(fields)})
+    assert layer.read_plan(name, distinct) == distinct._asdict()
+    largest = plan_type(**{field: _LIMITS[t] for t, field in fields})
+    assert layer.read_plan(name, largest) == largest._asdict()
+
+
+def test_plan_field_errors_name_the_field():
+    """A plan without a field the layer reads, or a value its C++ type cannot hold, raises
+    with the plan's and the field's names (not a shifted read)."""
+    layer = _cuda_layer()
+    fields = host.plan_fields()["GroupedMmPlan"]
+    values = {field: 1 for _, field in fields}
+    shorter = host.plan_type("GroupedMmWgradPlan")(**{f: 1 for _, f in host.plan_fields()["GroupedMmWgradPlan"]})
+    with pytest.raises(TypeError, match="GroupedMmPlan has no field 'split_sum'"):
+        layer.read_plan("GroupedMmPlan", shorter)
+    too_big = host.plan_type("GroupedMmPlan")(**{**values, "num_stages": 2**31})
+    with pytest.raises(ValueError, match=r"GroupedMmPlan.num_stages = 2147483648 does not fit"):
+        layer.read_plan("GroupedMmPlan", too_big)
+    negative = host.plan_type("GroupedMmPlan")(**{**values, "grid": -1})
+    with pytest.raises(ValueError, match=r"GroupedMmPlan.grid = -1 does not fit"):
+        layer.read_plan("GroupedMmPlan", negative)
+    with pytest.raises(ValueError, match="no plan NoSuchPlan"):
+        layer.read_plan("NoSuchPlan", shorter)

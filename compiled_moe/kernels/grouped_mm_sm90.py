@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import NamedTuple
 
 import torch
 
@@ -20,7 +19,8 @@ from compiled_moe.kernels.configs import (grouped_mm_sm90_config, grouped_mm_sm9
                                           grouped_mm_wgrad_sm90_config)
 from compiled_moe.kernels.grouped_mm import _num_sms
 
-_THREADS = 384
+_LAUNCH = native.launch_constants()  # csrc/sm90_launch.cuh
+_THREADS = _LAUNCH["SM90_THREADS"]
 _BOX_BYTES = 64 * 128  # one 64-row x 64-element box of a 2-byte operand
 _STAGE_BYTES = (2 + 4) * _BOX_BYTES  # 128 columns of a, 256 of b
 _OUT_STAGE_BYTES = 2 * 64 * 256 * 2  # the two consumers' output tiles, staged for TMA stores
@@ -28,8 +28,7 @@ _MAX_STAGES = 3  # what fits a Hopper block's 227 KB beside the output staging
 _OUT_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _OUT_MAP_TYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "FLOAT16", torch.float32: "FLOAT32"}
 _WGRAD_KERNELS = {torch.bfloat16: "grouped_mm_wgrad_bf16", torch.float16: "grouped_mm_wgrad_f16"}
-TILE_QUEUE_BYTES = 8 * (2 * 8 + 4)  # csrc/sm90.cuh's TileQueue
-ORDER_SCRATCH_BYTES = 8 * ((256 + 2) // 2 + 2 * 32 + 1)  # csrc/sm90.cuh's ORDER_SCRATCH long longs
+TILE_QUEUE_BYTES = _LAUNCH["TILE_QUEUE_BYTES"]
 _FWD_KERNELS = {torch.bfloat16: "grouped_mm_bf16", torch.float16: "grouped_mm_f16"}
 MAX_GROUPS = 1024  # forward: the tile list lives in shared memory beside the ring
 
@@ -105,7 +104,8 @@ def launch_wgrad(source: str, kernel: str, grid: int, shared_bytes: int, offs, M
     order = torch.empty(2, dtype=torch.int32, device=offs.device)  # the choice, the claims' counter
     maps = torch.empty(G * 2 * 128, dtype=torch.uint8, device=offs.device)
     i32 = native.int32
-    native.launch_driver(native.kernel("grouped_mm", "wgrad_tile_order", dev), 1, 256, ORDER_SCRATCH_BYTES,
+    native.launch_driver(native.kernel("grouped_mm", "wgrad_tile_order", dev), 1, _LAUNCH["ORDER_THREADS"],
+                         _LAUNCH["ORDER_SCRATCH_BYTES"],
                          offs, i32(M), i32(G), i32(tiles_per_group), i32(rows_per_step), i32(claim_steps),
                          i32(grid), order, args[0], args[1], maps, i32(row_dim))
     for function in (kernel, kernel + "_claimed"):
@@ -159,27 +159,25 @@ def _wgrad_launch_sizes(P: int, Q: int, G: int, dev: int, num_stages=None) -> tu
     return min(_num_sms(dev), G * tiles_per_group), tiles_per_group, num_stages
 
 
-class WgradPlan(NamedTuple):
-    """What the C++ host layer's weight-gradient launch needs beyond its tensors (the kernels
-    of launch_wgrad as driver handles, their sizes), asked once per shape."""
-    function: int          # grouped_mm_wgrad_{bf16,f16}
-    claimed: int           # its _claimed twin (tiles claimed at run time)
-    tile_order: int        # wgrad_tile_order
-    grid: int
-    shared_bytes: int
-    num_stages: int
-    tiles_per_group: int
+# What a launch needs beyond its tensors (the kernels as driver handles, their launch sizes and
+# the heuristics' choices), fixed for a problem's shape: computed once per shape, used by this
+# module's launchers and by the C++ host layer (compiled_moe.host), which asks for it on its
+# first call at a shape. Fields: csrc/host/plans.h, the one definition both sides read.
+GroupedMmPlan = host_layer.plan_type("GroupedMmPlan")
+GroupedMmWgradPlan = host_layer.plan_type("GroupedMmWgradPlan")
 
 
 @functools.lru_cache(maxsize=4096)
-def wgrad_plan(P: int, Q: int, G: int, dtype: torch.dtype, dev: int) -> WgradPlan:
+def wgrad_plan(P: int, Q: int, G: int, dtype: torch.dtype, dev: int) -> GroupedMmWgradPlan:
     grid, tiles_per_group, num_stages = _wgrad_launch_sizes(P, Q, G, dev)
 
     def handle(name):
         return native.function_handle(native.kernel("grouped_mm", name, dev), dev)
     name = _WGRAD_KERNELS[dtype]
-    return WgradPlan(handle(name), handle(name + "_claimed"), handle("wgrad_tile_order"), grid,
-                     _shared_bytes(num_stages), num_stages, tiles_per_group)
+    return GroupedMmWgradPlan(function=handle(name), claimed=handle(name + "_claimed"),
+                              tile_order=handle("wgrad_tile_order"), grid=grid,
+                              shared_bytes=_shared_bytes(num_stages), num_stages=num_stages,
+                              tiles_per_group=tiles_per_group)
 
 
 def host_wgrad_plan(a, grad_out, out):
@@ -198,25 +196,9 @@ def bias_in_pairs(bias):
     return bias
 
 
-class ForwardPlan(NamedTuple):
-    """What a forward/dgrad launch needs beyond its tensors, fixed for a problem's shape: the
-    kernels (driver handles), their launch sizes and the heuristics' choices. Computed once per
-    shape (here, from the configs), used by this module's launcher and by the C++ host layer
-    (compiled_moe.host), which asks for it on its first call at a shape."""
-    function: int          # the main kernel, a CUfunction handle
-    split_sum: int         # grouped_mm_split_sum's handle, or 0 without split K
-    grid: int              # persistent: one block per SM
-    shared_bytes: int
-    num_stages: int
-    max_splits: int        # the most k ranges a tile (1: no split K)
-    forced_splits: int     # 1 where the caller forced the split count
-    skipping: int          # the skipping instantiation (a's tile in 64- and 16-row boxes)
-    split_sum_grid: int    # grouped_mm_split_sum's blocks (256 threads each)
-
-
 @functools.lru_cache(maxsize=4096)
 def forward_plan(M: int, N: int, K: int, G: int, dtype: torch.dtype, n_major: bool, dev: int,
-                 num_stages=None, skip_past_rows=None, splits=None) -> ForwardPlan:
+                 num_stages=None, skip_past_rows=None, splits=None) -> GroupedMmPlan:
     name = _FWD_KERNELS[dtype] + ("_nmajor" if n_major else "")
     cfg = grouped_mm_sm90_config(M, G)
     # Split K: at most max_splits k ranges a tile (the kernel picks the count unless forced),
@@ -229,9 +211,11 @@ def forward_plan(M: int, N: int, K: int, G: int, dtype: torch.dtype, n_major: bo
     sms = _num_sms(dev)
     split_sum = (native.function_handle(native.kernel("grouped_mm", "grouped_mm_split_sum", dev), dev)
                  if max_splits > 1 else 0)
-    return ForwardPlan(native.function_handle(native.kernel("grouped_mm", name, dev), dev), split_sum,
-                       sms, _shared_bytes(num_stages, G), num_stages, max_splits, int(splits is not None),
-                       int(bool(skipping)), max(1, min(-(-M * N // 4 // 256), 4 * sms)))
+    return GroupedMmPlan(function=native.function_handle(native.kernel("grouped_mm", name, dev), dev),
+                         split_sum=split_sum, grid=sms, shared_bytes=_shared_bytes(num_stages, G),
+                         num_stages=num_stages, max_splits=max_splits,
+                         forced_splits=int(splits is not None), skipping=int(bool(skipping)),
+                         split_sum_grid=max(1, min(-(-M * N // 4 // 256), 4 * sms)))
 
 
 def host_plan(a, b, bias, out):

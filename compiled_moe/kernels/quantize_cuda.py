@@ -19,11 +19,15 @@ import os
 
 import torch
 
-from compiled_moe import native
+from compiled_moe import host as host_layer, native
 from compiled_moe.kernels.activations import CODES, GATED  # the CUDA kernel's codes too
 from compiled_moe.kernels.configs import quantize_columns_cuda_config
 from compiled_moe.kernels.grouped_mm import _num_sms
 from compiled_moe.reference import fp8_column_slots
+
+# The C++ host layer's plans (csrc/host/plans.h): what a launch needs beyond its tensors.
+QuantizeColumnsPlan = host_layer.plan_type("QuantizeColumnsPlan")
+QuantizeRowsPlan = host_layer.plan_type("QuantizeRowsPlan")
 
 RECIPES = ("fp8_blockwise",)  # mxfp8: see csrc/grouped_quantize.cu
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
@@ -118,8 +122,7 @@ def quantize_group_columns(x, offs, col_q, col_s, row_q, row_s, recipe: str,
 
 def host_plan(x, offs, rowwise: bool):
     """The C++ host layer's question on its first grouped_quantize call at a shape (2-D x,
-    fp8_blockwise, columnwise output; csrc/host/fp8.cpp's ColumnsPlan): (kernel handle,
-    grid, threads, shared bytes, stages, rows per band, slots), or None where the kernel does
+    fp8_blockwise, columnwise output): its QuantizeColumnsPlan, or None where the kernel does
     not take x (then the op's Python kernel serves). The address is checked at each call."""
     recipe = "fp8_blockwise"
     slots = fp8_column_slots(x.shape[0], offs.shape[0], recipe)
@@ -128,19 +131,22 @@ def host_plan(x, offs, rowwise: bool):
     dev = x.device.index
     name, grid, shared, stages, group_m = _columns_launch(x, slots, rowwise)
     handle = native.function_handle(native.kernel("grouped_quantize", name, dev), dev)
-    return handle, grid, threads(x.dtype), shared, stages, max(1, group_m), slots
+    return QuantizeColumnsPlan(function=handle, grid=grid, threads=threads(x.dtype),
+                               shared_bytes=shared, num_stages=stages, group_m=max(1, group_m),
+                               slots=slots)
 
 
 def host_rows_plan(x):
     """The C++ host layer's question on its first rowwise-only grouped_quantize call (2-D x,
-    fp8_blockwise) of a dtype on a device: (kernel handle, SM count) of
+    fp8_blockwise) of a dtype on a device: the QuantizeRowsPlan of
     csrc/grouped_quantize.cu's quantize_rows kernel, or None where it does not run (then the
     op's Python kernel serves)."""
     if not enabled() or x.dtype not in _SUFFIX or not _sm90_or_later(x.device.index):
         return None
     dev = x.device.index
     name = f"quantize_rows_fp8_blockwise_{_SUFFIX[x.dtype]}"
-    return native.function_handle(native.kernel("grouped_quantize", name, dev), dev), _num_sms(dev)
+    return QuantizeRowsPlan(function=native.function_handle(native.kernel("grouped_quantize", name, dev), dev),
+                            sms=_num_sms(dev))
 
 
 def _strides(scale):
@@ -180,8 +186,7 @@ def _activation_launch(h, inter: int, slots: int, activation: str) -> tuple[str,
 
 def host_activation_plan(h, offs, activation: str):
     """The C++ host layer's question on its first moe_activation_quantize call at a shape
-    (fp8_blockwise, both ways; csrc/host/fp8.cpp's ColumnsPlan): (kernel handle, grid, threads,
-    shared bytes, stages, rows per band, slots) of activate_quantize, or None where the kernel
+    (fp8_blockwise, both ways): the QuantizeColumnsPlan of activate_quantize, or None where the kernel
     does not take h (then the op's Python kernel serves). The address is checked at each
     call."""
     recipe = "fp8_blockwise"
@@ -192,7 +197,8 @@ def host_activation_plan(h, offs, activation: str):
     name, grid, shared, stages, group_m = _activation_launch(h, inter, slots, activation)
     dev = h.device.index
     handle = native.function_handle(native.kernel("grouped_quantize", name, dev), dev)
-    return handle, grid, threads(h.dtype), shared, stages, group_m, slots
+    return QuantizeColumnsPlan(function=handle, grid=grid, threads=threads(h.dtype),
+                               shared_bytes=shared, num_stages=stages, group_m=group_m, slots=slots)
 
 
 def activate_quantize(h, offs, probs, activation: str, interleaved: bool, alpha: float,

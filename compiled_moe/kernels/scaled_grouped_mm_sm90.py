@@ -8,7 +8,6 @@ alignment rules (``supported`` / ``wgrad_supported``); everything else runs the 
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 import torch
 
@@ -20,7 +19,7 @@ from compiled_moe.kernels.configs import (FP8_WGRAD_CLAIM_STEPS, fp8_blockwise_s
 from compiled_moe.kernels.grouped_mm import _num_sms
 from compiled_moe.kernels.grouped_mm_sm90 import TILE_QUEUE_BYTES, bias_in_pairs, launch_wgrad
 
-_THREADS = 384
+_THREADS = native.launch_constants()["SM90_THREADS"]  # csrc/sm90_launch.cuh
 MAX_GROUPS = 2048  # the tile list lives in shared memory beside the ring
 _OUT_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _OUT_MAP_TYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "FLOAT16", torch.float32: "FLOAT32"}
@@ -80,15 +79,11 @@ _KERNELS = {(1, 128): "fp8_blockwise_grouped_mm", (2, 128): "fp8_blockwise_group
             (1, 256): "fp8_blockwise_grouped_mm_n256"}
 
 
-class ForwardPlan(NamedTuple):
-    """What a forward launch needs beyond its tensors, fixed for a problem's shape: the kernel
-    (driver handle), its grid, shared memory and ring depth. Computed once per shape, used by
-    this module's launcher and by the C++ host layer (compiled_moe.host), which asks for it on
-    its first call at a shape."""
-    function: int
-    grid: int
-    shared_bytes: int
-    num_stages: int
+# What a launch needs beyond its tensors, fixed for a problem's shape: computed once per shape,
+# used by this module's launchers and by the C++ host layer, which asks for it on its first call
+# at a shape. Fields: csrc/host/plans.h, the one definition both sides read.
+ScaledGroupedMmPlan = host_layer.plan_type("ScaledGroupedMmPlan")
+ScaledGroupedMmWgradPlan = host_layer.plan_type("ScaledGroupedMmWgradPlan")
 
 
 def scale_offsets_fit(a_scale, b_scale) -> bool:
@@ -99,7 +94,7 @@ def scale_offsets_fit(a_scale, b_scale) -> bool:
 
 def forward_plan(M: int, N: int, K: int, G: int, out_dtype: torch.dtype, has_bias: bool,
                  scales_fit: bool, dev: int, num_stages=None, cluster=None,
-                 block_n=None) -> ForwardPlan:
+                 block_n=None) -> ScaledGroupedMmPlan:
     """The launch of out (M, N) = a (M, K) @ b (G, K, N): cluster (1 or 2) and block_n (128 or
     256: the tile's columns; 256 without a cluster and for 2-byte outputs only), by default the
     config's: CTAs that share each a tile by TMA multicast."""
@@ -118,7 +113,8 @@ def forward_plan(M: int, N: int, K: int, G: int, out_dtype: torch.dtype, has_bia
     if cluster > 1:
         fit = native.max_active_clusters(kernel, _THREADS, shared(num_stages), grid)
         grid = min(grid, cluster * max(fit, 1))
-    return ForwardPlan(native.function_handle(kernel, dev), grid, shared(num_stages), num_stages)
+    return ScaledGroupedMmPlan(function=native.function_handle(kernel, dev), grid=grid,
+                               shared_bytes=shared(num_stages), num_stages=num_stages)
 
 
 def host_plan(a, b, a_scale, b_scale, bias, out_dtype):
@@ -199,21 +195,7 @@ def wgrad_stages(requested: int, num_groups: int, out_dtype: torch.dtype) -> int
     return fit_stages(requested, lambda n: _wgrad_shared_bytes(num_groups, n, out_dtype))
 
 
-class WgradPlan(NamedTuple):
-    """What a weight-gradient launch needs beyond its tensors (launch_wgrad's kernels as driver
-    handles, their sizes), fixed for a problem's shape; the C++ host layer asks for it once per
-    shape."""
-    function: int          # fp8_grouped_mm_wgrad
-    claimed: int           # its _claimed twin (tiles claimed at run time)
-    tile_order: int        # wgrad_tile_order (csrc/grouped_mm.cu)
-    grid: int
-    shared_bytes: int
-    num_stages: int
-    tiles_per_group: int
-    claim_steps: int
-
-
-def wgrad_plan(M: int, P: int, Q: int, G: int, out_dtype: torch.dtype, dev: int, num_stages=None) -> WgradPlan:
+def wgrad_plan(M: int, P: int, Q: int, G: int, out_dtype: torch.dtype, dev: int, num_stages=None) -> ScaledGroupedMmWgradPlan:
     """The launch of out (G, P, Q) from a_t (P, M) and d_t (Q, M); num_stages by default the
     config's, fitted to shared memory."""
     cfg = fp8_wgrad_sm90_config(size_hint(M) // G)
@@ -222,11 +204,12 @@ def wgrad_plan(M: int, P: int, Q: int, G: int, out_dtype: torch.dtype, dev: int,
 
     def handle(source, name):
         return native.function_handle(native.kernel(source, name, dev), dev)
-    return WgradPlan(handle("fp8_grouped_mm", "fp8_grouped_mm_wgrad"),
-                     handle("fp8_grouped_mm", "fp8_grouped_mm_wgrad_claimed"),
-                     handle("grouped_mm", "wgrad_tile_order"), min(_num_sms(dev), G * tiles_per_group),
-                     _wgrad_shared_bytes(G, num_stages, out_dtype), num_stages, tiles_per_group,
-                     FP8_WGRAD_CLAIM_STEPS)
+    return ScaledGroupedMmWgradPlan(
+        function=handle("fp8_grouped_mm", "fp8_grouped_mm_wgrad"),
+        claimed=handle("fp8_grouped_mm", "fp8_grouped_mm_wgrad_claimed"),
+        tile_order=handle("grouped_mm", "wgrad_tile_order"), grid=min(_num_sms(dev), G * tiles_per_group),
+        shared_bytes=_wgrad_shared_bytes(G, num_stages, out_dtype), num_stages=num_stages,
+        tiles_per_group=tiles_per_group, claim_steps=FP8_WGRAD_CLAIM_STEPS)
 
 
 def host_wgrad_plan(a_t, d_t, recipe: str, out_dtype, num_groups: int):

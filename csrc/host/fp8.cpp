@@ -190,24 +190,10 @@ void check_scaled_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at:
 #ifdef COMPILED_MOE_CUDA
 namespace {
 
-// kernels/quantize_cuda.py's ColumnsPlan, read once per shape.
-struct ColumnsPlan {
-  CUfunction function;
-  unsigned grid, threads, shared_bytes;
-  int num_stages, group_m;
-  int64_t slots;
-};
-
 pybind11::object& columns_plan() {  // kernels/quantize_cuda.py's host_plan
   static pybind11::object* fn = new pybind11::object();
   return *fn;
 }
-// kernels/quantize_cuda.py's host_rows_plan: the rowwise kernel of a dtype on a device.
-struct RowsPlan {
-  CUfunction function;
-  unsigned sms;
-};
-
 pybind11::object& rows_plan() {  // kernels/quantize_cuda.py's host_rows_plan
   static pybind11::object* fn = new pybind11::object();
   return *fn;
@@ -217,26 +203,10 @@ pybind11::object& quantize_python_kernel() {  // the op's Python kernel
   return *fn;
 }
 
-}  // namespace
 
-template <>
-ColumnsPlan PlanCache<ColumnsPlan>::read(const pybind11::handle& p) {
-  auto t = p.cast<pybind11::tuple>();
-  auto i = [&t](int k) { return t[k].cast<int64_t>(); };
-  return {reinterpret_cast<CUfunction>(i(0)), static_cast<unsigned>(i(1)), static_cast<unsigned>(i(2)),
-          static_cast<unsigned>(i(3)), static_cast<int>(i(4)), static_cast<int>(i(5)), i(6)};
-}
-
-template <>
-RowsPlan PlanCache<RowsPlan>::read(const pybind11::handle& p) {
-  auto t = p.cast<pybind11::tuple>();
-  return {reinterpret_cast<CUfunction>(t[0].cast<int64_t>()), static_cast<unsigned>(t[1].cast<int64_t>())};
-}
-
-namespace {
 
 // row_q (M, K) e4m3 and row_s (M, ceil(K / 128)) fp32 of 2-D x with unit column stride.
-Quantized quantize_rows(const at::Tensor& x, const RowsPlan& plan) {
+Quantized quantize_rows(const at::Tensor& x, const QuantizeRowsPlan& plan) {
   const int64_t M = x.size(0), K = x.size(1);
   const auto fp8 = x.options().dtype(at::kFloat8_e4m3fn), fp32 = x.options().dtype(at::kFloat);
   at::Tensor row_q = at::empty({M, K}, fp8), row_s = at::empty({M, (K + 127) / 128}, fp32);
@@ -254,8 +224,8 @@ Quantized quantize_rows(const at::Tensor& x, const RowsPlan& plan) {
 }
 
 // The plan of 2-D x at its shape, or none where the CUDA kernel does not take it.
-std::optional<ColumnsPlan> plan_for(const at::Tensor& x, const at::Tensor& offs, bool rowwise) {
-  static PlanCache<ColumnsPlan> plans;
+std::optional<QuantizeColumnsPlan> plan_for(const at::Tensor& x, const at::Tensor& offs, bool rowwise) {
+  static PlanCache<QuantizeColumnsPlan> plans;
   const ShapeKey key{{x.size(0), x.size(1), offs.size(0), x.stride(0), x.stride(1), static_cast<int64_t>(x.scalar_type()),
                       rowwise, x.device().index(), 0, 0, 0, 0, 0}};
   return plans.get(key, [&] { return columns_plan()(x, offs, rowwise); });
@@ -274,7 +244,7 @@ struct ActivationArgs {
 // ops/fp8.py's _quantize_outputs layouts: e4m3 data, fp32 scales; columnwise data (K, M) with
 // rows padded to 16 bytes (TMA), columnwise scales (K, slots) with K contiguous; rowwise ones
 // empty unless asked for.
-Quantized launch_columns(const at::Tensor& x, const at::Tensor& offs, int64_t K, const ColumnsPlan& plan, bool rowwise,
+Quantized launch_columns(const at::Tensor& x, const at::Tensor& offs, int64_t K, const QuantizeColumnsPlan& plan, bool rowwise,
                          const ActivationArgs* act) {
   const int64_t M = x.size(0), G = offs.size(0);
   const auto fp8 = x.options().dtype(at::kFloat8_e4m3fn), fp32 = x.options().dtype(at::kFloat);
@@ -309,11 +279,11 @@ Quantized grouped_quantize_cuda(const at::Tensor& x, const std::optional<at::Ten
   c10::DeviceGuard guard(x.device());
   const bool blockwise_2d = x.dim() == 2 && recipe == kRecipes[1] && x.scalar_type() != at::kDouble;
   if (blockwise_2d && !columnwise && x.stride(1) == 1) {
-    static PlanCache<RowsPlan> rows_plans;
+    static PlanCache<QuantizeRowsPlan> rows_plans;
     const ShapeKey key{{static_cast<int64_t>(x.scalar_type()), x.device().index(), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}};
-    if (std::optional<RowsPlan> rows = rows_plans.get(key, [&] { return rows_plan()(x); })) return quantize_rows(x, *rows);
+    if (std::optional<QuantizeRowsPlan> rows = rows_plans.get(key, [&] { return rows_plan()(x); })) return quantize_rows(x, *rows);
   }
-  std::optional<ColumnsPlan> plan;
+  std::optional<QuantizeColumnsPlan> plan;
   if (blockwise_2d && columnwise && reinterpret_cast<uint64_t>(x.data_ptr()) % 16 == 0)
     plan = plan_for(x, *offs, rowwise);
   if (!plan) {
@@ -342,9 +312,9 @@ Quantized moe_activation_quantize_cuda(const at::Tensor& h, const at::Tensor& of
   check_moe_activation_quantize(h, offs, activation, gate_up_layout, recipe, probs, rowwise, columnwise);
   c10::DeviceGuard guard(h.device());
   const int code = activation_code(activation);
-  std::optional<ColumnsPlan> plan;
+  std::optional<QuantizeColumnsPlan> plan;
   if (rowwise && columnwise && recipe == kRecipes[1] && reinterpret_cast<uint64_t>(h.data_ptr()) % 16 == 0) {
-    static PlanCache<ColumnsPlan> plans;
+    static PlanCache<QuantizeColumnsPlan> plans;
     const ShapeKey key{{h.size(0), h.size(1), offs.size(0), h.stride(0), h.stride(1), static_cast<int64_t>(h.scalar_type()),
                         code, h.device().index(), 0, 0, 0, 0, 0}};
     plan = plans.get(key, [&] { return activation_plan()(h, offs, activation); });
@@ -363,12 +333,6 @@ Quantized moe_activation_quantize_cuda(const at::Tensor& h, const at::Tensor& of
 
 // ------------------------------------------------------------------------------ scaled_grouped_mm
 
-// kernels/scaled_grouped_mm_sm90.py's ForwardPlan, read once per shape.
-struct Fp8Plan {
-  CUfunction function;
-  unsigned grid, shared_bytes;
-  int num_stages;
-};
 
 pybind11::object& scaled_mm_plan() {  // kernels/scaled_grouped_mm_sm90.py's host_plan
   static pybind11::object* fn = new pybind11::object();
@@ -394,17 +358,9 @@ bool scale_offsets_fit(const at::Tensor& a_scale, const at::Tensor& b_scale) {
   return true;
 }
 
-Fp8Plan read_fp8_plan(const pybind11::handle& p) {
-  auto t = p.cast<pybind11::tuple>();
-  auto i = [&t](int k) { return t[k].cast<int64_t>(); };
-  return {reinterpret_cast<CUfunction>(i(0)), static_cast<unsigned>(i(1)), static_cast<unsigned>(i(2)),
-          static_cast<int>(i(3))};
-}
 
 }  // namespace
 
-template <>
-Fp8Plan PlanCache<Fp8Plan>::read(const pybind11::handle& p) { return read_fp8_plan(p); }
 
 // out (M, N) = a (M, K) @ b (G, K, N) (+ bias (G, N)) from e4m3 K-major operands and their
 // fp8_blockwise scales: the maps and launch of kernels/scaled_grouped_mm_sm90.py's
@@ -412,7 +368,7 @@ Fp8Plan PlanCache<Fp8Plan>::read(const pybind11::handle& p) { return read_fp8_pl
 // K > 0, aligned addresses).
 void launch_fp8_blockwise_sm90(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale,
                                const at::Tensor& b_scale, const at::Tensor& offs,
-                               const std::optional<at::Tensor>& bias, const at::Tensor& out, const Fp8Plan& plan) {
+                               const std::optional<at::Tensor>& bias, const at::Tensor& out, const ScaledGroupedMmPlan& plan) {
   const int64_t M = a.size(0), K = a.size(1), G = b.size(0), N = b.size(2);
   const int device = a.device().index();
   ensure_context(device);
@@ -440,7 +396,7 @@ void launch_fp8_blockwise_sm90(const at::Tensor& a, const at::Tensor& b, const a
   void* args[] = {&a_map,     &a_rows_map, &b_map, &out_map, &a_scale_p, &a_scale_0, &a_scale_1, &b_scale_p,
                   &b_scale_0, &b_scale_1,  &b_scale_2, &out_p, &kind,   &out_stride, &bias_p,   &bias_kind,
                   &bias_stride, &offs_p,   &m,     &n,       &k,         &g,         &stages};
-  launch(device, plan.function, plan.grid, kHopperThreads, plan.shared_bytes, args);
+  launch(device, plan.function, plan.grid, SM90_THREADS, plan.shared_bytes, args);
 }
 
 namespace {
@@ -451,9 +407,9 @@ at::Tensor scaled_grouped_mm_cuda(const at::Tensor& a, const at::Tensor& b, cons
   check_scaled_grouped_mm(a, b, a_scale, b_scale, offs, recipe, out_dtype, bias);
   c10::DeviceGuard guard(a.device());
   const c10::ScalarType out_type = out_dtype.value_or(at::kBFloat16);
-  std::optional<Fp8Plan> plan;
+  std::optional<ScaledGroupedMmPlan> plan;
   if (recipe == kRecipes[1]) {
-    static PlanCache<Fp8Plan> plans;
+    static PlanCache<ScaledGroupedMmPlan> plans;
     const ShapeKey key{{a.size(0), b.size(2), a.size(1), b.size(0), a.stride(0), b.stride(0), b.stride(2),
                         static_cast<int64_t>(out_type),
                         bias ? static_cast<int64_t>(bias->scalar_type()) * 2 + (bias->stride(1) == 1) : -1,
@@ -471,20 +427,6 @@ at::Tensor scaled_grouped_mm_cuda(const at::Tensor& a, const at::Tensor& b, cons
 
 // ------------------------------------------------------------------------------ scaled_grouped_mm_wgrad
 
-// kernels/scaled_grouped_mm_sm90.py's WgradPlan, read once per shape.
-struct Fp8WgradPlan {
-  CUfunction function, claimed, tile_order;
-  unsigned grid, shared_bytes;
-  int num_stages, tiles_per_group, claim_steps;
-};
-
-Fp8WgradPlan read_fp8_wgrad_plan(const pybind11::handle& p) {
-  auto t = p.cast<pybind11::tuple>();
-  auto i = [&t](int k) { return t[k].cast<int64_t>(); };
-  return {reinterpret_cast<CUfunction>(i(0)), reinterpret_cast<CUfunction>(i(1)), reinterpret_cast<CUfunction>(i(2)),
-          static_cast<unsigned>(i(3)), static_cast<unsigned>(i(4)), static_cast<int>(i(5)), static_cast<int>(i(6)),
-          static_cast<int>(i(7))};
-}
 
 pybind11::object& wgrad_plan() {  // kernels/scaled_grouped_mm_sm90.py's host_wgrad_plan
   static pybind11::object* fn = new pybind11::object();
@@ -497,8 +439,6 @@ pybind11::object& wgrad_python_kernel() {  // scaled_grouped_mm_wgrad's Python k
 
 }  // namespace
 
-template <>
-Fp8WgradPlan PlanCache<Fp8WgradPlan>::read(const pybind11::handle& p) { return read_fp8_wgrad_plan(p); }
 
 // out[g] (P, Q) = a_g^T @ d_g from columnwise e4m3 data a_t (P, M), d_t (Q, M) and their
 // scales: the maps and launches of kernels/scaled_grouped_mm_sm90.py's scaled_grouped_mm_wgrad
@@ -507,7 +447,7 @@ Fp8WgradPlan PlanCache<Fp8WgradPlan>::read(const pybind11::handle& p) { return r
 // G > 0, aligned addresses); out (G, P, Q) contiguous.
 void launch_fp8_wgrad_sm90(const at::Tensor& a_t, const at::Tensor& d_t, const at::Tensor& a_scale,
                            const at::Tensor& d_scale, const at::Tensor& offs, bool rowwise_recipe, const at::Tensor& out,
-                           const Fp8WgradPlan& plan) {
+                           const ScaledGroupedMmWgradPlan& plan) {
   const int64_t P = a_t.size(0), M = a_t.size(1), Q = d_t.size(0), G = out.size(0);
   const int device = a_t.device().index();
   ensure_context(device);
@@ -535,12 +475,12 @@ void launch_fp8_wgrad_sm90(const at::Tensor& a_t, const at::Tensor& d_t, const a
   int64_t a_scale_0 = a_scale.stride(0), d_scale_0 = d_scale.stride(0);
   void* order_args[] = {&offs_p, &m, &g, &tiles, &rows_per_step, &claim_steps, &grid, &order_p, &a_map, &d_map,
                         &maps_p, &row_dim};
-  launch(device, plan.tile_order, 1, 256, kOrderScratchBytes, order_args);
+  launch(device, plan.tile_order, 1, ORDER_THREADS, ORDER_SCRATCH_BYTES, order_args);
   void* args[] = {&a_map, &d_map,     &a_side_map, &d_side_map, &out_map, &a_scale_p, &a_scale_0,
                   &a_scale_1, &d_scale_p, &d_scale_0, &d_scale_1, &kind, &offs_p, &m, &p, &q, &g, &stages,
                   &rowwise, &maps_p, &order_p};
-  launch(device, plan.function, plan.grid, kHopperThreads, plan.shared_bytes, args);
-  launch(device, plan.claimed, plan.grid, kHopperThreads, plan.shared_bytes, args);
+  launch(device, plan.function, plan.grid, SM90_THREADS, plan.shared_bytes, args);
+  launch(device, plan.claimed, plan.grid, SM90_THREADS, plan.shared_bytes, args);
 }
 
 namespace {
@@ -553,9 +493,9 @@ at::Tensor scaled_grouped_mm_wgrad_cuda(const at::Tensor& a_t, const at::Tensor&
   check_scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe, out_dtype);
   c10::DeviceGuard guard(a_t.device());
   const c10::ScalarType out_type = out_dtype.value_or(at::kBFloat16);
-  std::optional<Fp8WgradPlan> plan;
+  std::optional<ScaledGroupedMmWgradPlan> plan;
   if (recipe != kRecipes[2]) {
-    static PlanCache<Fp8WgradPlan> plans;
+    static PlanCache<ScaledGroupedMmWgradPlan> plans;
     const ShapeKey key{{a_t.size(0), d_t.size(0), a_t.size(1), offs.size(0), a_t.stride(0), d_t.stride(0),
                         static_cast<int64_t>(out_type), recipe == kRecipes[0], a_t.device().index(),
                         fp8_triton_forced(), 0, 0, 0}};
@@ -929,18 +869,18 @@ void bind_fp8(pybind11::module_& m) {
   m.def("fp8_grouped_mm", &fp8_grouped_mm);
   m.def("fp8_activation_grouped_mm", &fp8_activation_grouped_mm);
 #ifdef COMPILED_MOE_CUDA
-  // kernels/scaled_grouped_mm_sm90.py's launcher launches through it (plan: its ForwardPlan).
+  // kernels/scaled_grouped_mm_sm90.py's launcher launches through it (plan: its ScaledGroupedMmPlan).
   m.def("launch_fp8_blockwise_sm90",
         [](const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale, const at::Tensor& b_scale,
            const at::Tensor& offs, const std::optional<at::Tensor>& bias, const at::Tensor& out,
            pybind11::handle plan) {
-          launch_fp8_blockwise_sm90(a, b, a_scale, b_scale, offs, bias, out, read_fp8_plan(plan));
+          launch_fp8_blockwise_sm90(a, b, a_scale, b_scale, offs, bias, out, ScaledGroupedMmPlan::read(plan));
         });
-  // and its weight-gradient launcher (plan: its WgradPlan).
+  // and its weight-gradient launcher (plan: its ScaledGroupedMmWgradPlan).
   m.def("launch_fp8_wgrad_sm90",
         [](const at::Tensor& a_t, const at::Tensor& d_t, const at::Tensor& a_scale, const at::Tensor& d_scale,
            const at::Tensor& offs, bool rowwise_recipe, const at::Tensor& out, pybind11::handle plan) {
-          launch_fp8_wgrad_sm90(a_t, d_t, a_scale, d_scale, offs, rowwise_recipe, out, read_fp8_wgrad_plan(plan));
+          launch_fp8_wgrad_sm90(a_t, d_t, a_scale, d_scale, offs, rowwise_recipe, out, ScaledGroupedMmWgradPlan::read(plan));
         });
 #endif
 }

@@ -8,16 +8,12 @@
 #include <cstdint>
 #include <initializer_list>
 
+#include "../sm90_launch.cuh"
 #include "cuda_driver.h"
 
 namespace compiled_moe {
 
-// csrc/grouped_mm.cu and csrc/fp8_grouped_mm.cu: a producer warp and two consumer warpgroups.
-inline constexpr unsigned kHopperThreads = 384;
-
-// wgrad_tile_order's shared memory (csrc/sm90.cuh's ORDER_SCRATCH): the weight gradients' first
-// kernel, which picks their tile order on the device.
-inline constexpr unsigned kOrderScratchBytes = 8 * ((256 + 2) / 2 + 2 * 32 + 1);
+// (Block sizes and wgrad_tile_order's shared memory: csrc/sm90_launch.cuh.)
 
 inline int out_kind(c10::ScalarType t) {  // the kernels' output (and bias) kinds
   return t == c10::kBFloat16 ? 0 : t == c10::kHalf ? 1 : 2;

@@ -16,7 +16,7 @@ namespace compiled_moe {
 
 // The handles of the route kernels (csrc/moe_route.cu) and of the experts block's row kernels
 // (csrc/moe_rows.cu) on a device, asked of Python once per device (compiled_moe/host.py's
-// route_kernels and row_kernels): moe_route needs only the first, so it runs where the row
+// route_kernels and row_kernels, {kernel name: handle}, read by name): moe_route needs only the first, so it runs where the row
 // kernels would not compile (before sm_80).
 struct RouteKernels {
   CUfunction rank[2], place[2];  // by id dtype: int32, int64
@@ -25,9 +25,9 @@ struct RouteKernels {
     return *fn;
   }
   static RouteKernels read(const pybind11::object& answer) {
-    auto t = answer.cast<pybind11::tuple>();
-    auto f = [&t](int i) { return reinterpret_cast<CUfunction>(t[i].cast<int64_t>()); };
-    return {{f(0), f(1)}, {f(2), f(3)}};
+    auto d = answer.cast<pybind11::dict>();
+    auto f = [&d](const char* name) { return reinterpret_cast<CUfunction>(d[name].cast<int64_t>()); };
+    return {{f("moe_route_rank_i32"), f("moe_route_rank_i64")}, {f("moe_route_place_i32"), f("moe_route_place_i64")}};
   }
 };
 

@@ -220,26 +220,10 @@ void grouped_mm_wgrad_accumulate_autograd(const at::Tensor& main_grad, const at:
 // ------------------------------------------------------------------------------ Hopper launch
 
 
-// kernels/grouped_mm_sm90.py's ForwardPlan, read once per shape.
-struct ForwardPlan {
-  CUfunction function, split_sum;
-  unsigned grid, shared_bytes;
-  int num_stages, max_splits, forced_splits, skipping;
-  unsigned split_sum_grid;
-};
-
-ForwardPlan read_plan(const pybind11::handle& p) {
-  auto t = p.cast<pybind11::tuple>();
-  auto i = [&t](int k) { return t[k].cast<int64_t>(); };
-  return {reinterpret_cast<CUfunction>(i(0)), reinterpret_cast<CUfunction>(i(1)),
-          static_cast<unsigned>(i(2)), static_cast<unsigned>(i(3)), static_cast<int>(i(4)),
-          static_cast<int>(i(5)), static_cast<int>(i(6)), static_cast<int>(i(7)), static_cast<unsigned>(i(8))};
-}
-
 // out (M, N) = a (M, K) @ b[g] (K, N) (+ bias[g]); the maps and launches of
 // kernels/grouped_mm_sm90.py's grouped_mm. The caller checked that the kernel applies.
 void launch_grouped_mm_sm90(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
-                            const std::optional<at::Tensor>& bias, const at::Tensor& out, const ForwardPlan& plan) {
+                            const std::optional<at::Tensor>& bias, const at::Tensor& out, const GroupedMmPlan& plan) {
   const int64_t M = a.size(0), K = a.size(1), G = b.size(0), N = b.size(2);
   const int device = a.device().index();
   ensure_context(device);
@@ -277,19 +261,12 @@ void launch_grouped_mm_sm90(const at::Tensor& a, const at::Tensor& b, const at::
   void* partial_ptr = partial.defined() ? partial.data_ptr() : nullptr;
   void* args[] = {&a_map, &a_rows_map, &b_map, &out_map, &out_ptr, &kind, &out_stride, &bias_ptr,
                   &bias_kind, &bias_stride, &offs_ptr, &m, &n, &k, &g, &stages, &partial_ptr, &splits, &forced};
-  launch(device, plan.function, plan.grid, kHopperThreads, plan.shared_bytes, args);
+  launch(device, plan.function, plan.grid, SM90_THREADS, plan.shared_bytes, args);
   if (partial.defined()) {
     void* sum_args[] = {&partial_ptr, &out_ptr, &kind, &out_stride, &m, &n, &splits};
     launch(device, plan.split_sum, plan.split_sum_grid, 256, 0, sum_args);
   }
 }
-
-}  // namespace
-
-template <>
-ForwardPlan PlanCache<ForwardPlan>::read(const pybind11::handle& p) { return read_plan(p); }
-
-namespace {
 
 pybind11::object& grouped_mm_decide() {  // kernels/grouped_mm_sm90.py's host_plan
   static pybind11::object* fn = new pybind11::object();
@@ -313,8 +290,8 @@ at::Tensor grouped_mm_device(const at::Tensor& a, const at::Tensor& b, const at:
                 static_cast<int64_t>(out_type),
                 bias ? static_cast<int64_t>(bias->scalar_type()) * 2 + (bias->stride(1) == 1) : -1,
                 bias ? bias->stride(0) : 0, a.device().index(), triton_forced()}};
-  static PlanCache<ForwardPlan> plans;
-  std::optional<ForwardPlan> plan = plans.get(key, [&] {
+  static PlanCache<GroupedMmPlan> plans;
+  std::optional<GroupedMmPlan> plan = plans.get(key, [&] {
     return grouped_mm_decide()(a, b, bias, at::empty({0}, a.options().dtype(out_type)));
   });
   at::Tensor out = at::empty({a.size(0), b.size(2)}, a.options().dtype(out_type));
@@ -336,25 +313,6 @@ at::Tensor grouped_mm_cuda(const at::Tensor& a, const at::Tensor& b, const at::T
 
 // ------------------------------------------------------------------------------ Hopper weight gradient
 
-// kernels/grouped_mm_sm90.py's WgradPlan, read once per shape.
-struct WgradPlan {
-  CUfunction function, claimed, tile_order;
-  unsigned grid, shared_bytes;
-  int num_stages, tiles_per_group;
-};
-
-}  // namespace
-
-template <>
-WgradPlan PlanCache<WgradPlan>::read(const pybind11::handle& p) {
-  auto t = p.cast<pybind11::tuple>();
-  auto i = [&t](int k) { return t[k].cast<int64_t>(); };
-  return {reinterpret_cast<CUfunction>(i(0)), reinterpret_cast<CUfunction>(i(1)), reinterpret_cast<CUfunction>(i(2)),
-          static_cast<unsigned>(i(3)), static_cast<unsigned>(i(4)), static_cast<int>(i(5)), static_cast<int>(i(6))};
-}
-
-namespace {
-
 pybind11::object& wgrad_decide() {  // kernels/grouped_mm_sm90.py's host_wgrad_plan
   static pybind11::object* fn = new pybind11::object();
   return *fn;
@@ -370,7 +328,7 @@ pybind11::object& wgrad_fallback() {  // kernels/grouped_mm.py's Triton weight g
 // claimed at run time from offs on the device, and writes per-group copies of the operand
 // maps; then both kernels launch and the one not chosen returns at once.
 void launch_grouped_mm_wgrad_sm90(const at::Tensor& a, const at::Tensor& grad_out, const at::Tensor& offs,
-                                  const at::Tensor& out, const WgradPlan& plan, bool accumulate = false,
+                                  const at::Tensor& out, const GroupedMmWgradPlan& plan, bool accumulate = false,
                                   const at::Tensor& accumulate_mask = at::Tensor()) {
   const int64_t M = a.size(0), P = a.size(1), Q = grad_out.size(1), G = out.size(0);
   const int device = a.device().index();
@@ -391,11 +349,11 @@ void launch_grouped_mm_wgrad_sm90(const at::Tensor& a, const at::Tensor& grad_ou
   void* mask = accumulate_mask.defined() ? accumulate_mask.data_ptr() : nullptr;  // null: every group
   void* order_args[] = {&offs_p, &m, &g, &tiles, &rows_per_step, &claim_steps, &grid, &order_p, &a_map, &g_map,
                         &maps_p, &row_dim};
-  launch(device, plan.tile_order, 1, 256, kOrderScratchBytes, order_args);
+  launch(device, plan.tile_order, 1, ORDER_THREADS, ORDER_SCRATCH_BYTES, order_args);
   void* args[] = {&a_map, &g_map, &out_map, &kind, &add, &mask, &offs_p, &m, &p, &q, &g, &stages,
                   &maps_p, &order_p};
-  launch(device, plan.function, plan.grid, kHopperThreads, plan.shared_bytes, args);
-  launch(device, plan.claimed, plan.grid, kHopperThreads, plan.shared_bytes, args);
+  launch(device, plan.function, plan.grid, SM90_THREADS, plan.shared_bytes, args);
+  launch(device, plan.claimed, plan.grid, SM90_THREADS, plan.shared_bytes, args);
 }
 
 at::Tensor grouped_mm_wgrad_cuda(const at::Tensor& a, const at::Tensor& grad_out, const at::Tensor& offs,
@@ -408,8 +366,8 @@ at::Tensor grouped_mm_wgrad_cuda(const at::Tensor& a, const at::Tensor& grad_out
   ShapeKey key{{a.size(1), grad_out.size(1), offs.size(0), a.stride(0), a.stride(1), grad_out.stride(0),
                 grad_out.stride(1), static_cast<int64_t>(a.scalar_type()), static_cast<int64_t>(out_type),
                 a.device().index(), triton_forced(), 0, 0}};
-  static PlanCache<WgradPlan> plans;
-  std::optional<WgradPlan> plan = plans.get(key, [&] { return wgrad_decide()(a, grad_out, out); });
+  static PlanCache<GroupedMmWgradPlan> plans;
+  std::optional<GroupedMmWgradPlan> plan = plans.get(key, [&] { return wgrad_decide()(a, grad_out, out); });
   if (plan && tma_aligned({&a, &grad_out, &out}) && a.size(0) > 0) {
     launch_grouped_mm_wgrad_sm90(a, grad_out, offs, out, *plan);
   } else {
@@ -436,12 +394,12 @@ void grouped_mm_wgrad_accumulate_cuda(const at::Tensor& main_grad, const at::Ten
   const at::Tensor& rhs = transposed ? a : grad_out;
   const at::Tensor out = transposed ? main_grad.transpose(1, 2) : main_grad;
   if (out.numel() == 0) return;
-  std::optional<WgradPlan> plan;
+  std::optional<GroupedMmWgradPlan> plan;
   if (main_grad.scalar_type() == at::kFloat && a.size(0) > 0) {
     ShapeKey key{{lhs.size(1), rhs.size(1), offs.size(0), lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1),
                   static_cast<int64_t>(a.scalar_type()), out.stride(0), out.stride(1), a.device().index(),
                   triton_forced(), 0}};
-    static PlanCache<WgradPlan> plans;
+    static PlanCache<GroupedMmWgradPlan> plans;
     plan = plans.get(key, [&] { return wgrad_decide()(lhs, rhs, out); });
   }
   if (plan && tma_aligned({&a, &grad_out, &main_grad})) {
@@ -769,7 +727,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("launch_grouped_mm_sm90", [](const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
                                      const std::optional<at::Tensor>& bias, const at::Tensor& out,
                                      pybind11::handle plan) {
-    compiled_moe::launch_grouped_mm_sm90(a, b, offs, bias, out, compiled_moe::read_plan(plan));
+    compiled_moe::launch_grouped_mm_sm90(a, b, offs, bias, out, compiled_moe::GroupedMmPlan::read(plan));
+  });
+  // A plan as this layer reads it (csrc/host/plans.h), as {field: value}: the boundary test.
+  m.def("read_plan", [](const std::string& name, pybind11::handle plan) -> pybind11::dict {
+#define COMPILED_MOE_READ_NAMED_PLAN(Name, FIELDS) \
+  if (name == #Name) return compiled_moe::Name::read(plan).to_dict();
+    COMPILED_MOE_PLANS(COMPILED_MOE_READ_NAMED_PLAN)
+#undef COMPILED_MOE_READ_NAMED_PLAN
+    throw pybind11::value_error("csrc/host/plans.h has no plan " + name);
   });
 #else
   m.attr("has_cuda") = false;
