@@ -77,48 +77,125 @@ __device__ __forceinline__ Piece<KIND, VEC> zero_piece() {
   return p;
 }
 
+__device__ __forceinline__ float warp_sum(float v) {  // a fixed order: deterministic
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Slots a token's warp takes at once: their rows, weights and dot sums stay in registers.
+constexpr int kScatterSlots = 8;
+
+// The gather, read from the token side: token t's warp reads x[t] once and writes it (scaled)
+// to the rows of its pairs, so every token row crosses memory once however many experts it
+// went to (read from the rows' side, each of the k reads of a row came from memory again: the
+// rows of an expert span every token, and the rows written push the tokens out of L2). A
+// pair's row is written here only where source[row] names the pair back; rows that no pair
+// reaches so (padding, or maps that disagree) take the row-side gather below, so every row is
+// written exactly once.
 template <int KIND, int VEC, bool SCALE, bool DOT>
-__device__ __forceinline__ void gather_rows(const GatherRowsArgs a) {
+__device__ __forceinline__ void scatter_token(const GatherRowsArgs& a, long long t, int lane) {
   typedef Piece<KIND, VEC> P;
-  const P* x = static_cast<const P*>(a.x);
-  const P* other = static_cast<const P*>(a.other);
-  P* out = static_cast<P*>(a.out);
-  const int pieces = a.H / VEC, lane = threadIdx.x & 31;
-  const long long x_stride = a.x_stride / VEC, other_stride = a.other_stride / VEC;
-  const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
-  for (long long r = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5; r < a.rows; r += warps) {
-    const int s = a.source[r];
-    const bool valid = s >= 0 && s < a.num_pairs;
-    const P* x_row = x + (valid ? (long long)(s / a.top_k) * x_stride : 0);
-    const P* other_row = DOT ? other + r * other_stride : nullptr;
-    P* out_row = out + r * (long long)pieces;
-    const float w = SCALE && valid ? load(a.scale, s, a.scale_kind) : 0.0f;
-    float dot = 0.0f;
-    // Several pieces in flight per lane; two with the dot's second row (four spilled on sm_80).
-    constexpr int kUnroll = DOT ? 2 : 4;
-#pragma unroll kUnroll
+  const int pieces = a.H / VEC;
+  const P* x_row = static_cast<const P*>(a.x) + t * (a.x_stride / VEC);
+  for (int s0 = 0; s0 < a.top_k; s0 += kScatterSlots) {
+    long long row[kScatterSlots];
+    float w[kScatterSlots], dot[kScatterSlots];
+#pragma unroll
+    for (int j = 0; j < kScatterSlots; ++j) {
+      const long long pair = t * a.top_k + s0 + j;
+      const int r = s0 + j < a.top_k ? a.row_of[pair] : -1;
+      const bool owned = r >= 0 && r < a.rows && a.source[r] == pair;
+      row[j] = owned ? r : -1;
+      w[j] = SCALE && owned ? load(a.scale, pair, a.scale_kind) : 0.0f;
+      dot[j] = 0.0f;
+    }
     for (int c = lane; c < pieces; c += 32) {
-      P v = valid ? x_row[c] : zero_piece<KIND, VEC>();
-      if (DOT && valid) {
-        const P o = other_row[c];
+      const P v = x_row[c];
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) dot += v.at(j) * o.at(j);
-      }
-      if (SCALE) {
+      for (int j = 0; j < kScatterSlots; ++j) {
+        if (row[j] < 0) continue;
+        if (DOT) {
+          const P o = static_cast<const P*>(a.other)[row[j] * (a.other_stride / VEC) + c];
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) v.set(j, v.at(j) * w);
+          for (int e = 0; e < VEC; ++e) dot[j] += v.at(e) * o.at(e);
+        }
+        P u = v;
+        if (SCALE) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) u.set(e, v.at(e) * w[j]);
+        }
+        static_cast<P*>(a.out)[row[j] * pieces + c] = u;
       }
-      out_row[c] = v;
     }
     if (DOT) {
-      for (int offset = 16; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-      if (lane == 0 && valid) store(a.dot, s, dot, a.dot_kind);
+#pragma unroll
+      for (int j = 0; j < kScatterSlots; ++j) {
+        const float d = warp_sum(dot[j]);
+        if (lane == 0 && row[j] >= 0) store(a.dot, t * a.top_k + s0 + j, d, a.dot_kind);
+      }
     }
   }
 }
 
+// Row r from the row side: zero for padding (source not a pair in [0, num_pairs)), else
+// x[source[r] / top_k] (scaled, with its dot).
+template <int KIND, int VEC, bool SCALE, bool DOT>
+__device__ __forceinline__ void gather_row(const GatherRowsArgs& a, long long r, int lane) {
+  typedef Piece<KIND, VEC> P;
+  const int s = a.source[r];
+  const bool valid = s >= 0 && s < a.num_pairs;
+  const int pieces = a.H / VEC;
+  const P* x_row = static_cast<const P*>(a.x) + (valid ? (long long)(s / a.top_k) * (a.x_stride / VEC) : 0);
+  const P* other_row = DOT ? static_cast<const P*>(a.other) + r * (a.other_stride / VEC) : nullptr;
+  P* out_row = static_cast<P*>(a.out) + r * (long long)pieces;
+  const float w = SCALE && valid ? load(a.scale, s, a.scale_kind) : 0.0f;
+  float dot = 0.0f;
+  for (int c = lane; c < pieces; c += 32) {
+    P v = valid ? x_row[c] : zero_piece<KIND, VEC>();
+    if (DOT && valid) {
+      const P o = other_row[c];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) dot += v.at(e) * o.at(e);
+    }
+    if (SCALE) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) v.set(e, v.at(e) * w);
+    }
+    out_row[c] = v;
+  }
+  if (DOT) {
+    dot = warp_sum(dot);
+    if (lane == 0 && valid) store(a.dot, s, dot, a.dot_kind);
+  }
+}
+
+// Rows [first, first + 32): each lane checks one; the warp gathers, from the row side, those
+// the token side does not write.
+template <int KIND, int VEC, bool SCALE, bool DOT>
+__device__ __forceinline__ void gather_unreached_rows(const GatherRowsArgs& a, long long first, int lane) {
+  const long long r = first + lane;
+  bool unreached = false;
+  if (r < a.rows) {
+    const int s = a.source[r];
+    unreached = !(s >= 0 && s < a.num_pairs && a.row_of[s] == r);
+  }
+  for (unsigned mask = __ballot_sync(0xffffffffu, unreached); mask; mask &= mask - 1)
+    gather_row<KIND, VEC, SCALE, DOT>(a, first + __ffs(mask) - 1, lane);
+}
+
+// One warp an item: items [0, tokens) scatter a token, the rest check 32 rows each.
+template <int KIND, int VEC, bool SCALE, bool DOT>
+__device__ __forceinline__ void gather_rows(const GatherRowsArgs& a) {
+  const int lane = threadIdx.x & 31;
+  const long long warps = (long long)gridDim.x * (blockDim.x >> 5), items = a.tokens + (a.rows + 31) / 32;
+  for (long long i = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5; i < items; i += warps) {
+    if (i < a.tokens) scatter_token<KIND, VEC, SCALE, DOT>(a, i, lane);
+    else gather_unreached_rows<KIND, VEC, SCALE, DOT>(a, (i - a.tokens) * 32, lane);
+  }
+}
+
 template <int KIND, int VEC>
-__device__ __forceinline__ void gather_rows_mode(const GatherRowsArgs a) {
+__device__ __forceinline__ void gather_rows_mode(const GatherRowsArgs& a) {
   if (a.other) gather_rows<KIND, VEC, true, true>(a);
   else if (a.scale) gather_rows<KIND, VEC, true, false>(a);
   else gather_rows<KIND, VEC, false, false>(a);

@@ -9,15 +9,17 @@ enum RowElementKind { kRowBF16 = 0, kRowF16 = 1, kRowF32 = 2, kRowNone = -1 };
 
 // out[r] = x[t] (times scale[s]) with s = source[r], t = s / top_k; zero where s is not a pair
 // in [0, num_pairs) (padding: -1). With `other`, also dot[s] = <x[t], other[r]> (fp32 sums in a
-// fixed order), written only for the pairs that own a row. One warp a row.
+// fixed order), written only for the pairs that own a row. One warp a token (its pairs' rows,
+// found through row_of), then one per 32 rows (the rows no token reached).
 struct GatherRowsArgs {
-  const void* x;       // (T, H) of `kind`, row stride x_stride elements, unit column stride
+  const void* x;       // (tokens, H) of `kind`, row stride x_stride elements, unit column stride
   const int* source;   // (rows,)
+  const int* row_of;   // (tokens, top_k) contiguous
   const void* scale;   // (T, top_k) contiguous of scale_kind, or nullptr
   const void* other;   // (rows, H) of `kind`, row stride other_stride, or nullptr
   void* out;           // (rows, H) of `kind`, contiguous
   void* dot;           // (T, top_k) contiguous of dot_kind, with `other`
-  long long x_stride, other_stride, rows, num_pairs;
+  long long x_stride, other_stride, rows, tokens, num_pairs;
   int H, top_k, kind, scale_kind, dot_kind;
   int vector;          // 1: rows move as 16-byte pieces (H and strides in 16 bytes, aligned)
 };
@@ -38,5 +40,5 @@ struct CombineRowsArgs {
 // Both compilers lay the structs out alike (one definition, plain fields in order of size; NVRTC
 // has no offsetof): a size that differs fails the build of whichever disagrees. NVRTC compiles
 // this in the CPU tier, and g++ builds the host layer there too.
-static_assert(sizeof(GatherRowsArgs) == 104, "GatherRowsArgs: 6 pointers, 4 long longs, 6 ints");
+static_assert(sizeof(GatherRowsArgs) == 120, "GatherRowsArgs: 7 pointers, 5 long longs, 6 ints");
 static_assert(sizeof(CombineRowsArgs) == 80, "CombineRowsArgs: 4 pointers, 3 long longs, 5 ints and padding");

@@ -71,8 +71,9 @@ def test_permute_unpermute_match_reference(dtype, H, scaled):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_maps_that_disagree(dtype):
     """row_of and source that name each other only in part (and entries outside the tensors):
-    every row equals the reference's x[source[r] // k], padding rows zero; memory first filled
-    with NaN must not show through."""
+    the kernels read from the token side where the maps agree and from the row side elsewhere,
+    so every row is written once and equals the reference's x[source[r] // k]; memory first
+    filled with NaN must not show through."""
     from test_routing import _corrupt
 
     tokens, k, H = 200, 4, 256

@@ -159,28 +159,29 @@ bool vector_rows(int64_t H, std::initializer_list<const at::Tensor*> tensors) {
   return true;
 }
 
-// One warp a row: up to 8 blocks of 8 warps an SM.
-unsigned warp_grid(int64_t rows, unsigned sms) {
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, 8 * sms)));
+// One warp an item: up to 8 blocks of 8 warps an SM.
+unsigned warp_grid(int64_t items, unsigned sms) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((items + 7) / 8, 8 * sms)));
 }
 
 // out (rows, H) contiguous: x[source[r] / top_k] (times scale[source[r]]), 0 on padding; with
 // `other` (rows, H), dot[s] = <x[t], other[r]> for the pairs that own a row. x, other and out
 // share a dtype.
-void gather_rows(const RowKernels& k, const at::Tensor& x_in, const at::Tensor& source_in, int64_t top_k,
+void gather_rows(const RowKernels& k, const at::Tensor& x_in, const at::Tensor& row_of_in, const at::Tensor& source_in,
                  const std::optional<at::Tensor>& scale, const at::Tensor& out, const at::Tensor* other_in = nullptr,
                  const at::Tensor* dot = nullptr) {
-  const int64_t num_pairs = x_in.size(0) * top_k, H = out.size(1);
+  const int64_t top_k = row_of_in.size(1), num_pairs = x_in.size(0) * top_k, H = out.size(1);
   if (num_pairs == 0) {  // no pairs: every row is padding
     out.zero_();
     return;
   }
-  const at::Tensor x = unit_columns(x_in), source = source_in.contiguous();
+  const at::Tensor x = unit_columns(x_in), source = source_in.contiguous(), row_of = row_of_in.contiguous();
   const at::Tensor other = other_in ? unit_columns(*other_in) : at::Tensor();
   const at::Tensor scale_c = scale ? scale->contiguous() : at::Tensor();
   GatherRowsArgs a{};
   a.x = x.data_ptr();
   a.source = static_cast<const int*>(source.data_ptr());
+  a.row_of = static_cast<const int*>(row_of.data_ptr());
   a.scale = scale ? scale_c.data_ptr() : nullptr;
   a.other = other_in ? other.data_ptr() : nullptr;
   a.out = out.data_ptr();
@@ -188,6 +189,7 @@ void gather_rows(const RowKernels& k, const at::Tensor& x_in, const at::Tensor& 
   a.x_stride = x.stride(0);
   a.other_stride = other_in ? other.stride(0) : 0;
   a.rows = out.size(0);
+  a.tokens = x.size(0);
   a.num_pairs = num_pairs;
   a.H = static_cast<int>(H);
   a.top_k = static_cast<int>(top_k);
@@ -196,7 +198,7 @@ void gather_rows(const RowKernels& k, const at::Tensor& x_in, const at::Tensor& 
   a.dot_kind = dot ? element_kind(dot->scalar_type()) : kRowNone;
   a.vector = other_in ? vector_rows(H, {&x, &out, &other}) : vector_rows(H, {&x, &out});
   void* args[] = {&a};
-  launch(out.device().index(), k.gather, warp_grid(a.rows, k.sms), 256, 0, args);
+  launch(out.device().index(), k.gather, warp_grid(a.tokens + (a.rows + 31) / 32, k.sms), 256, 0, args);
 }
 
 at::Tensor moe_permute_cuda(const at::Tensor& hidden, const at::Tensor& row_of, const at::Tensor& source,
@@ -206,7 +208,7 @@ at::Tensor moe_permute_cuda(const at::Tensor& hidden, const at::Tensor& row_of, 
   const RowKernels* k = row_kernels(hidden, {hidden.scalar_type(), scale ? scale->scalar_type() : hidden.scalar_type()});
   if (!k) return python_kernel<at::Tensor>("moe_permute", hidden, row_of, source, scale);
   at::Tensor out = at::empty({source.size(0), hidden.size(1)}, hidden.options());
-  if (out.numel() > 0) gather_rows(*k, hidden, source, row_of.size(1), scale, out);
+  if (out.numel() > 0) gather_rows(*k, hidden, row_of, source, scale, out);
   return out;
 }
 
@@ -255,7 +257,7 @@ std::tuple<at::Tensor, at::Tensor> moe_unpermute_backward_cuda(const at::Tensor&
   const at::Tensor grad_out = grad_out_in.scalar_type() == y.scalar_type() ? grad_out_in : grad_out_in.to(y.scalar_type());
   at::Tensor grad_y = at::empty(y.sizes(), y.options());
   at::Tensor grad_weights = at::zeros(weights.sizes(), weights.options());
-  if (grad_y.numel() > 0) gather_rows(*k, grad_out, source, row_of.size(1), weights, grad_y, &y, &grad_weights);
+  if (grad_y.numel() > 0) gather_rows(*k, grad_out, row_of, source, weights, grad_y, &y, &grad_weights);
   return {grad_y, grad_weights};
 }
 
