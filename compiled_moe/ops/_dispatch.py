@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 
 import torch
 from torch import Tensor
@@ -14,6 +15,24 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OP_DTYPES = KERNEL_DTYPES + (torch.float64,)
 
 _interpret_on_cpu = False
+_trace_state = threading.local()
+
+
+@contextlib.contextmanager
+def tracing_kernels():
+    """An op's traced body runs in here (KernelOp.register_traced): its Triton launches become
+    ``wrap_triton`` nodes of the graph. Everywhere else the kernels launch directly, as a
+    dispatcher kernel only ever sees real tensors."""
+    old = getattr(_trace_state, "on", False)
+    _trace_state.on = True
+    try:
+        yield
+    finally:
+        _trace_state.on = old
+
+
+def tracing() -> bool:
+    return getattr(_trace_state, "on", False)
 
 
 @contextlib.contextmanager
@@ -78,7 +97,7 @@ class KernelOp:
     def __init__(self, name: str, body):
         self.qualname, self._body = f"compiled_moe::{name}", body
         self.host_keys = frozenset()  # dispatch keys whose kernels the C++ host layer registered
-        self._kernel = _launching_triton_directly(body)
+        self._kernel = body
         functools.update_wrapper(self, body)
 
     def __call__(self, *args, **kwargs):
@@ -103,14 +122,18 @@ class KernelOp:
         kernels it launches (and launches them itself, from C++ under cpp_wrapper). Eager
         calls keep the plain kernel, without triton_op's custom_op wrapper. ``traced`` returns
         NotImplemented to keep the opaque op; torch.export always keeps it, as for triton_ops.
+
+        The rule is registered for FunctionalTensorMode, a class of a private torch module:
+        torch.library's only public form of this rule is triton_op, whose custom_op layers
+        cost an eager call about 20 us of host time (see kernel_op). torch's own triton_op
+        registers the same rule for the same class; tests/test_lowering.py's
+        test_kernel_op_traced_body runs it on every torch version CI installs (2.11, 2.15).
         """
         from torch._subclasses.functional_tensor import FunctionalTensorMode
 
         def rule(mode, op, types, args, kwargs):
-            from torch.export._trace import custom_triton_ops_decomposition_disabled
-
-            if not custom_triton_ops_decomposition_disabled():
-                with mode:
+            if not torch.compiler.is_exporting():
+                with mode, tracing_kernels():
                     out = traced(*args, **kwargs)
                 if out is not NotImplemented:
                     return out
@@ -217,20 +240,6 @@ def host_layer():
     from compiled_moe import host
 
     return host.module()
-
-
-def _launching_triton_directly(body):
-    """body with ``wrap_triton`` launching its kernels directly: a device kernel of the
-    dispatcher only ever sees real tensors, and wrap_triton's dispatch through its higher-order
-    op costs host time (torch's triton_op does the same)."""
-    from torch._library.triton import set_wrap_triton_enabled
-
-    @functools.wraps(body)
-    def kernel(*args, **kwargs):
-        with set_wrap_triton_enabled(False):
-            return body(*args, **kwargs)
-
-    return kernel
 
 
 def _no_backward(name: str, ctx, *grads):
