@@ -79,3 +79,18 @@ def test_no_import_cycle():
 def test_cycle_finder_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_environment_switches_are_one_documented_table():
+    """The environment variables the package reads are exactly those of docs/architecture.md's
+    table (the C++ layer's COMPILED_MOE_* macros are not variables)."""
+    import re
+
+    read = set()
+    for path in list(_ROOT.rglob("*.py")) + list(_LOWERING.rglob("*.py")):
+        read.update(re.findall(r'"(COMPILED_MOE_[A-Z0-9_]+)"', path.read_text()))
+    docs = (_ROOT.parent / "docs" / "architecture.md").read_text()
+    table = docs[docs.index("## Environment switches"):]
+    table = table[:table.index("\n## ")]
+    documented = set(re.findall(r"^\| `(COMPILED_MOE_[A-Z0-9_]+)` \|", table, re.M))
+    assert read == documented, (read - documented, documented - read)
