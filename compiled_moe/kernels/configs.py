@@ -233,10 +233,9 @@ def fp8_group_rows(num_experts: int) -> int:
     179.5, Mixtral 54.1 / 47.7, GPT-OSS 85.3 / 85.8. The FP8 block's
     forward+backward (same process, bitwise equal gradients), 16 against 32 rows: DeepSeek-V3
     EP8 (32 experts) 1.033x faster, Mixtral (8) 1.012x; with 128 experts the extra rows cost
-    more than the stores save: Qwen3 0.987x, GPT-OSS 0.997x. (Since the quantizer's 16-byte
-    row stores, 2026-11-27, it runs at about the same speed on both: DeepSeek-V3 0.57 / 0.58 and
-    Mixtral 0.70 / 0.72 of copy bandwidth on 16 / 32-row groups; the block's figures above were
-    not re-measured.)
+    more than the stores save: Qwen3 0.987x, GPT-OSS 0.997x. (With the quantizer's 16-byte row
+    stores the quantizer alone runs at about the same speed on both; the block's figures above
+    predate them: benchmarks/JOURNAL.md.)
     """
     return 32 if num_experts <= 32 else 16
 
