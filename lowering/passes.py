@@ -328,10 +328,122 @@ def _erase_unread_inverse(graph: Graph, inverse: Node) -> None:
     _erase_unused(graph, [v for v in values if isinstance(v, Node)])
 
 
+def _is_scatter_add_op(target) -> bool:
+    """torchtitan's ``torchtitan::deterministic_scatter_add(out, index, src)`` (a custom op:
+    matched by name, so torchtitan need not be importable here)."""
+    return (isinstance(target, torch._ops.OpOverload)
+            and target.name() == "torchtitan::deterministic_scatter_add")
+
+
+def _scatter_add_parts(node: Node):
+    """(out, index, src) of a functional scatter-add of src's rows into out along dim 0:
+    ``out.scatter_add(0, index, src)``, ``torch.scatter_add(out, 0, index, src)`` or
+    torchtitan's deterministic op. In-place forms are left alone."""
+    if node.op == "call_function" and _is_scatter_add_op(node.target) and len(node.args) == 3:
+        return tuple(node.args)
+    if _is_call(node, {torch.scatter_add}, ("scatter_add",)) and len(node.args) == 4:
+        out, dim, index, src = node.args
+        return (out, index, src) if dim == 0 else None
+    return None
+
+
+def _zeros_like_rows(out: Any) -> bool:
+    """out is a fresh all-zero tensor: ``zeros_like(x)``, ``x.new_zeros(...)``, ``zeros(...)``."""
+    return _is_call(out, {torch.zeros_like, torch.zeros}, ("new_zeros",))
+
+
+def _row_token_index(index: Any):
+    """(perm, k) if index is ``(perm // k)`` broadcast along the columns: ``.reshape(-1, 1)`` /
+    ``.view(-1, 1)`` / ``.unsqueeze(-1)`` then ``.expand(...)`` / ``.expand_as(...)``."""
+    if not _is_call(index, {torch.Tensor.expand}, ("expand", "expand_as")):
+        return None
+    column = index.args[0]
+    if _is_call(column, {torch.reshape}, ("view", "reshape")):
+        if tuple(column.args[1:]) not in ((-1, 1), ((-1, 1),)):
+            return None
+    elif not (_is_call(column, {torch.unsqueeze}, ("unsqueeze",)) and _arg(column, 1, "dim") in (-1, 1)):
+        return None
+    return _floordiv_by_int(column.args[0])
+
+
+def _without_cast(node: Any, to_fp32: bool = False) -> Any:
+    """node's input if node is one dtype cast (``.to(dtype)``, ``.float()``; with to_fp32 only
+    a cast to float32), else node."""
+    if _is_call(node, set(), ("float",)):
+        return node.args[0]
+    if (_is_call(node, set(), ("to",)) and len(node.args) == 2 and isinstance(node.args[1], torch.dtype)
+            and node.args[1].is_floating_point and (not to_fp32 or node.args[1] == torch.float32)):
+        return node.args[0]
+    return node
+
+
+def _scaled_rows(graph: Graph, src: Node, perm: Node, top_k, before: Node):
+    """(rows, weights (T, k) or None): src is rows, or rows times the routing weights gathered
+    in sorted order as a column (``w_flat[perm].reshape(-1, 1)``, ``.view(-1, 1)``,
+    ``.unsqueeze(-1)``); torchtitan's ``(rows.to(float32) * w).to(dtype)`` too (one upcast of
+    the rows, one cast of the product: moe_unpermute multiplies and sums in fp32 and rounds
+    once to the rows' dtype). (None, None) where src is another product."""
+    product = _without_cast(src)
+    if not _is_call(product, {operator.mul, torch.mul}, ("mul",)):
+        return (src, None) if product is src else (None, None)
+    for rows, scale in (product.args[:2], product.args[1::-1]):
+        if _is_call(scale, {torch.reshape}, ("view", "reshape")):
+            if tuple(scale.args[1:]) not in ((-1, 1), ((-1, 1),)):
+                continue
+        elif not (_is_call(scale, {torch.unsqueeze}, ("unsqueeze",)) and _arg(scale, 1, "dim") in (-1, 1)):
+            continue
+        gathered = scale.args[0]
+        if not (_is_call(gathered, {operator.getitem}) and gathered.args[1] is perm):
+            continue
+        rows = _without_cast(rows, to_fp32=True)  # the rows' dtype: the result's, as there
+        rv, wv = _tensor(rows), _tensor(gathered.args[0])
+        if rv is None or wv is None or rv.dim() != 2 or wv.dim() != 1 or not wv.is_floating_point():
+            continue
+        return rows, _emit(graph, before, torch.Tensor.view, gathered.args[0], -1, top_k)
+    return None, None
+
+
+def _rewrite_scatter_combines(graph: Graph, cache: dict) -> int:
+    """The combine as a scatter-add of the (weighted) expert rows into zeros at each row's token
+    (torchtitan's form) -> ``moe_unpermute``: one deterministic pass that sums a token's k rows
+    in fp32 and rounds once (the scatter-add rounds each product to the rows' dtype and adds in
+    out's dtype, so the rewrite is as exact or more)."""
+    count = 0
+    for node in list(graph.nodes):
+        parts = _scatter_add_parts(node)
+        if parts is None:
+            continue
+        out, index, src = parts
+        found = _row_token_index(index)
+        ov, sv = _tensor(out), _tensor(src)
+        if (found is None or not _zeros_like_rows(out) or ov is None or sv is None
+                or ov.dim() != 2 or sv.dim() != 2 or ov.dtype not in _FLOATS):
+            continue
+        perm, top_k = found
+        n = _sort_indices_length(perm)
+        k = top_k if isinstance(top_k, int) else _val(top_k)
+        if (n is None or not _known(k >= 1) or not _known(ov.shape[0] * k == n)
+                or not _known(sv.shape[0] == n) or not _known(sv.shape[1] == ov.shape[1])):
+            continue
+        rows, weights = _scaled_rows(graph, src, perm, top_k, node)
+        if rows is None or _tensor(rows) is None or _tensor(rows).dtype not in _FLOATS:
+            continue
+        row_of, source = _layout_of(graph, cache, perm, top_k, node)
+        new = _emit(graph, node, torch.ops.compiled_moe.moe_unpermute.default, rows, row_of, source,
+                    weights)
+        if _tensor(new).dtype != ov.dtype:
+            new = _emit(graph, node, torch.Tensor.to, new, ov.dtype)
+        _replace(graph, node, new)
+        _erase_unused(graph, [index, index.args[0], index.args[0].args[0], out])
+        count += 1
+    return count
+
+
 def rewrite_sorted_dispatch(graph: Graph) -> int:
     """Replace the sort-based gather and combine of an experts block. Returns the count."""
     cache: dict = {}
-    return _rewrite_gathers(graph, cache) + _rewrite_combines(graph, cache)
+    return (_rewrite_gathers(graph, cache) + _rewrite_combines(graph, cache)
+            + _rewrite_scatter_combines(graph, cache))
 
 
 # ---------------------------------------------------------------------------- row masks
@@ -572,6 +684,91 @@ def rewrite_sort_routing(graph: Graph) -> int:
     return count
 
 
+def _base_of_views(node: Any) -> Any:
+    """node with its view/reshape/flatten chain peeled."""
+    while _is_call(node, {torch.reshape, torch.flatten}, ("view", "reshape", "flatten")):
+        node = node.args[0]
+    return node
+
+
+def _expert_counts(counts: Any, ids_base: Node):
+    """E if counts is a per-expert count (E,) of the ids whose views all lead to ids_base: a
+    one-hot ``zeros(..., E, dtype=bool).scatter_(-1, ids, True)`` summed over every other dim
+    (torchtitan). (A ``bincount(minlength=E)`` is not taken: its length is E only where every
+    id is below E, which the graph does not say.)"""
+    cv = _tensor(counts)
+    if cv is None or cv.dim() != 1:
+        return None
+    if not _is_call(counts, {torch.sum}, ("sum",)) or counts.kwargs.get("keepdim", False):
+        return None
+    one_hot = counts.args[0]
+    if not (_is_call(one_hot, set(), ("scatter_", "scatter")) and len(one_hot.args) == 4
+            and one_hot.args[1] in (-1,) and one_hot.args[3] is True):
+        return None
+    hv = _tensor(one_hot)
+    if hv is None or hv.dtype != torch.bool or not _zeros_like_rows(one_hot.args[0]):
+        return None
+    if _base_of_views(one_hot.args[2]) is not ids_base:
+        return None
+    dims = _arg(counts, 1, "dim")
+    dims = tuple(dims) if isinstance(dims, (tuple, list)) else (dims,)
+    if sorted(d % hv.dim() for d in dims) != list(range(hv.dim() - 1)):
+        return None
+    return hv.shape[-1] if isinstance(hv.shape[-1], int) else None
+
+
+def rewrite_argsort_routing(graph: Graph) -> int:
+    """Replace a stable argsort of a (T, k) routing's flattened expert ids, and the offsets
+    ``cumsum`` of per-expert counts of the same ids (a one-hot sum: torchtitan's form), by one ``moe_route`` where the permutation is read only by the
+    gather and combine rewrites' layouts. The counts stay where something else reads them
+    (torchtitan adds them to its load-balancing buffer). moe_route's order is the stable
+    sort's; ids outside [0, E), which the counts do not count either, it drops. Returns the
+    count."""
+    from compiled_moe.ops.routing import MAX_EXPERTS
+
+    count = 0
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for perm in list(graph.nodes):
+        if not (_is_call(perm, {torch.argsort}, ("argsort",)) and perm.kwargs.get("stable") is True
+                and not _arg(perm, 2, "descending", False)):
+            continue
+        flat = perm.args[0]
+        if not _is_call(flat, {torch.reshape, torch.flatten}, ("view", "reshape", "flatten")):
+            continue
+        ids, iv = flat.args[0], _tensor(flat.args[0])
+        if iv is None or iv.dim() != 2 or iv.dtype not in (torch.int32, torch.int64):
+            continue
+        layouts = list(perm.users)
+        if not layouts or not all(_is_call(u, {routing_layout}) and _equals(u.args[1], iv.shape[1])
+                                  for u in layouts):
+            continue
+        ids_base = _base_of_views(ids)
+        cumsums = [c for n in graph.nodes if _is_call(n, {torch.cumsum}, ("cumsum",))
+                   for c in [n] if _arg(c, 1, "dim") == 0]
+        found = [(c, e) for c in cumsums for e in [_expert_counts(c.args[0], ids_base)] if e]
+        if len(found) != 1 or found[0][1] > MAX_EXPERTS:
+            continue
+        cumsum, num_experts = found[0]
+        first = min([perm, cumsum], key=order.get)
+        if order.get(ids, -1) >= order[first]:
+            continue
+        route = _emit(graph, first, torch.ops.compiled_moe.moe_route.default, ids, num_experts)
+        offs, row_of, source = (_emit(graph, first, operator.getitem, route, i) for i in range(3))
+        for layout in layouts:
+            for out in list(layout.users):
+                out.replace_all_uses_with(row_of if out.args[1] == 0 else source)
+        cv = _tensor(cumsum)
+        new_offs = offs if cv.dtype == torch.int32 else _emit(graph, cumsum, torch.Tensor.to, offs, cv.dtype)
+        counts = cumsum.args[0]
+        cumsum.replace_all_uses_with(new_offs)
+        dead = [out for layout in layouts for out in layout.users] + layouts + [cumsum, perm, flat]
+        dead += [counts, counts.args[0], counts.args[0].args[0]]
+        _erase_unused(graph, dead)
+        count += 1
+        order = {n: i for i, n in enumerate(graph.nodes)}
+    return count
+
+
 # ---------------------------------------------------------------------------- gated activations
 
 
@@ -628,7 +825,7 @@ def rewrite(graph: Graph) -> dict[str, int]:
     counts = {"sorted_dispatch": rewrite_sorted_dispatch(graph),
               "grouped_mm": rewrite_grouped_mm(graph)}
     counts["row_masks"] = remove_row_masks(graph)  # (reads the sort: before sort_routing)
-    counts["sort_routing"] = rewrite_sort_routing(graph)
+    counts["sort_routing"] = rewrite_sort_routing(graph) + rewrite_argsort_routing(graph)
     counts["gated_activation"] = rewrite_gated_activations(graph)
     if any(counts.values()):
         graph.lint()

@@ -631,3 +631,86 @@ def test_triton_kernels_write_only_their_outputs():
     for name, writes, tensors in launches:
         assert writes, name  # every launch writes something
         assert set(writes) <= KERNEL_OUTPUTS[name], (name, writes, tensors)
+
+
+# ------------------------------------------------------------------ argsort routing, scatter-add combine
+
+
+def _scatter_add_block(hidden, ids, weights, w, counts_form: str, combine_form: str):
+    """One grouped GEMM between a torchtitan-style dispatch and combine: a stable argsort of the
+    flattened ids, counts from a one-hot sum, the gather by perm // k, and the
+    weighted rows scatter-added into zeros at their tokens."""
+    T, k = ids.shape
+    E = w.shape[0]
+    one_hot = torch.zeros(T, E, dtype=torch.bool).scatter_(-1, ids, True)
+    counts = one_hot.sum(dim=0) if counts_form == "sum_dim0" else one_hot.sum(dim=(0,))
+    perm = torch.argsort(ids.view(-1), stable=True)
+    scores = weights.view(-1)[perm]
+    token = perm // k
+    rows = hidden[token]
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    y = torch._grouped_mm(rows.bfloat16(), w.bfloat16().transpose(-2, -1), offs=offs).type_as(rows)
+    index = token.reshape(-1, 1).expand(-1, hidden.shape[1])
+    if combine_form == "fp32_cast":
+        src = (y.to(torch.float32) * scores.reshape(-1, 1)).to(y.dtype)
+    else:
+        src = y * scores.unsqueeze(-1)
+    return torch.zeros_like(hidden).scatter_add(0, index, src)
+
+
+@pytest.mark.parametrize("counts_form,combine_form", [("sum_dim0", "fp32_cast"), ("sum_dims", "plain")])
+def test_argsort_routing_and_scatter_add_combine_are_rewritten(counts_form, combine_form):
+    """torchtitan's dispatch written out: the routing becomes one moe_route, the gather
+    moe_permute and the scatter-add combine moe_unpermute; values and gradients (hidden,
+    routing weights, expert weights) as the float64 loop's."""
+    g = torch.Generator().manual_seed(3)
+    T, k, E, H, N = 19, 3, 6, 16, 24
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    hidden = torch.randn(T, H, generator=g)
+    weights = torch.softmax(torch.randn(T, k, generator=g), -1)
+    w = torch.randn(E, H, N, generator=g) * 0.3  # (E, N_out, K_in) as nn.Linear: here N_out = H
+    w = w[:, :, :H]
+    cap = Capture()
+    args = [_leaf(hidden), ids, _leaf(weights), _leaf(w)]
+    fn = torch.compile(lambda h, i, s, w: _scatter_add_block(h, i, s, w, counts_form, combine_form),
+                       backend=cap, fullgraph=True)
+    out = fn(*args)
+    assert cap.counts[-1]["sort_routing"] == 1 and cap.counts[-1]["sorted_dispatch"] == 2
+    targets = cap.targets()
+    assert CM.moe_route.default in targets and CM.moe_unpermute.default in targets
+    assert torch.argsort not in targets and torch.cumsum not in targets
+    assert torch.scatter_add not in targets
+    assert not any(n.op == "call_method" and n.target in ("scatter_add", "scatter_") for n in cap.graphs[-1].nodes)
+
+    h64, s64, w64 = (a.detach().double().requires_grad_(True) for a in (hidden, weights, w))
+    want = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for s in range(k):
+            want[t] += s64[t, s] * (h64[t].bfloat16().double() @ w64[ids[t, s]].bfloat16().double().T)
+    torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
+    cot = torch.randn(T, H, generator=g)
+    out.backward(cot)
+    want.backward(cot.double())
+    for got, ref in ((args[0].grad, h64.grad), (args[2].grad, s64.grad), (args[3].grad, w64.grad)):
+        torch.testing.assert_close(got.double(), ref, rtol=3e-2, atol=5e-2)
+
+
+def test_unstable_argsort_keeps_its_routing():
+    """moe_route's order is a stable sort's: an argsort without stable=True is left in place
+    (its order among equal ids is unspecified), while the gather and combine still move."""
+    g = torch.Generator().manual_seed(4)
+    T, k, E, H = 11, 2, 4, 8
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    hidden, weights = torch.randn(T, H, generator=g), torch.rand(T, k, generator=g)
+
+    def block(hidden, ids, weights):
+        perm = torch.argsort(ids.view(-1))
+        rows = hidden[perm // k] * 2.0
+        index = (perm // k).reshape(-1, 1).expand(-1, H)
+        return torch.zeros_like(hidden).scatter_add(0, index, rows * weights.view(-1)[perm].unsqueeze(-1))
+
+    cap = Capture()
+    out = torch.compile(block, backend=cap, fullgraph=True)(hidden, ids, weights)
+    assert cap.counts[-1]["sort_routing"] == 0 and cap.counts[-1]["sorted_dispatch"] == 2
+    assert torch.argsort in cap.targets()
+    torch.testing.assert_close(out, block(hidden, ids, weights), rtol=1e-5, atol=1e-5)
