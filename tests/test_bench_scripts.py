@@ -59,3 +59,24 @@ def test_wgrad_unaligned_problems():
     assert (starts["unaligned"] % 16 != 0).any() and (starts["aligned"] % 16 == 0).all()
     for args in problems.values():  # the op's checks pass, and the output is the gradient's shape
         assert torch.ops.compiled_moe.scaled_grouped_mm_wgrad(*args, torch.float32).shape == (6, 256, 128)
+
+
+def test_torchtitan_benchmark_builds_the_layer_at_a_shape():
+    """benchmarks/bench_torchtitan.py's layer: torchtitan's MoE with the sizes replaced (here
+    small, on CPU), shared experts included, runs forward at those sizes."""
+    import torch
+
+    pytest = __import__("pytest")
+    pytest.importorskip("torchtitan")
+    try:
+        import torchtitan.models.deepseek_v3  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"torchtitan does not import with torch {torch.__version__}: {e}")
+    import bench_torchtitan
+
+    moe = bench_torchtitan.torchtitan_moe(64, 8, 2, 32, 48, device="cpu")
+    assert tuple(moe.routed_experts.inner_experts.w1_EFD.shape) == (8, 32, 64)
+    assert tuple(moe.router.gate.weight.shape) == (8, 64)
+    assert moe.router.top_k == 2 and tuple(moe.shared_experts.w1.weight.shape) == (48, 64)
+    out = moe(torch.randn(1, 5, 64, dtype=torch.bfloat16))
+    assert out.shape == (1, 5, 64) and torch.isfinite(out.float()).all()
