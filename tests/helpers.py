@@ -201,3 +201,22 @@ def corrupt_offsets_problem(offs, seed: int, device="cuda"):
     w = torch.randn(offs.shape[0], N, K, device=device, dtype=torch.bfloat16) / K ** 0.5
     dy = torch.randn(M, N, device=device, dtype=torch.bfloat16)
     return offs, x, w, dy
+
+
+class RewriteCapture:
+    """A torch.compile backend: apply compiled_moe.lowering's rewrites to dynamo's graph, keep
+    the graph and the rewrite counts, run it as FX (no inductor)."""
+
+    def __init__(self):
+        self.graphs, self.counts = [], []
+
+    def __call__(self, gm, example_inputs):
+        from compiled_moe import lowering
+
+        self.counts.append(lowering.rewrite(gm.graph))
+        gm.recompile()
+        self.graphs.append(gm.graph)
+        return gm
+
+    def targets(self, i=-1):
+        return [n.target for n in self.graphs[i].nodes if n.op == "call_function"]

@@ -14,25 +14,9 @@ import pytest
 import torch
 
 import compiled_moe.lowering as lowering
-from helpers import loop_grouped_mm, loop_moe_experts, loop_wgrad, random_offsets
+from helpers import RewriteCapture as Capture, loop_grouped_mm, loop_moe_experts, loop_wgrad, random_offsets
 
 CM = torch.ops.compiled_moe
-
-
-class Capture:
-    """A torch.compile backend: apply the rewrites, keep the graph, run it as FX (no inductor)."""
-
-    def __init__(self):
-        self.graphs, self.counts = [], []
-
-    def __call__(self, gm, example_inputs):
-        self.counts.append(lowering.rewrite(gm.graph))
-        gm.recompile()
-        self.graphs.append(gm.graph)
-        return gm
-
-    def targets(self, i=-1):
-        return [n.target for n in self.graphs[i].nodes if n.op == "call_function"]
 
 
 def _leaf(t):

@@ -23,7 +23,7 @@ except ImportError as e:
     pytest.skip(f"torchtitan does not import with torch {torch.__version__}: {e}",
                 allow_module_level=True)
 
-from compiled_moe import lowering  # noqa: E402
+from helpers import RewriteCapture  # noqa: E402
 
 CM = torch.ops.compiled_moe
 
@@ -50,22 +50,6 @@ def _moe_layer(model: str, seed: int = 0):
     return moe
 
 
-class Capture:
-    """A backend that runs the package's rewrites on dynamo's graph and then the graph as is."""
-
-    def __init__(self):
-        self.counts, self.graphs = [], []
-
-    def __call__(self, gm, example_inputs):
-        self.counts.append(lowering.rewrite(gm.graph))
-        gm.recompile()
-        self.graphs.append(gm.graph)
-        return gm
-
-    def targets(self):
-        return {n.target for g in self.graphs for n in g.nodes if n.op == "call_function"}
-
-
 def _run(call, moe, x, grad):
     """call(x) forward and backward; the gradients of x and of moe's parameters, and moe's
     load-balancing counts."""
@@ -89,7 +73,7 @@ def test_every_part_of_the_layer_is_rewritten(model):
     moe = _moe_layer(model)
     dim = moe.router.gate.in_features
     x = torch.randn(2, 24, dim)
-    cap = Capture()
+    cap = RewriteCapture()
     torch._dynamo.reset()
     out = torch.compile(copy.deepcopy(moe), backend=cap, fullgraph=True)(x)
     assert len(cap.counts) == 1  # one graph: no breaks
@@ -97,7 +81,7 @@ def test_every_part_of_the_layer_is_rewritten(model):
     assert counts["grouped_mm"] == 3
     assert counts["sorted_dispatch"] == 2  # the gather and the scatter-add combine
     assert counts["sort_routing"] == 1
-    targets = cap.targets()
+    targets = set(cap.targets())
     assert {CM.moe_route.default, CM.moe_permute.default, CM.moe_unpermute.default,
             CM.grouped_mm.default} <= targets
     assert torch.argsort not in targets and torch._grouped_mm not in targets
