@@ -28,6 +28,7 @@ import hashlib
 import os
 import re
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import NamedTuple
@@ -96,13 +97,19 @@ def build(verbose: bool = False):
     include = cuda_include_dir()
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    if not (directory / f"{_NAME}.so").exists():  # a first import would otherwise pause silently
+    fresh = not (directory / f"{_NAME}.so").exists()
+    if fresh:  # a first import would otherwise pause silently
         print(f"compiled_moe: building the C++ host layer into {directory} (once per torch "
-              f"version; about 30 s)", file=sys.stderr, flush=True)
-    return cpp_extension.load(
+              f"version and source change)", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    module = cpp_extension.load(
         name=_NAME, sources=[str(s) for s in sources()], build_directory=str(directory),
         extra_cflags=["-O2"], extra_include_paths=[include] if include else [],
         extra_ldflags=["-ldl"], verbose=verbose)
+    if fresh:
+        print(f"compiled_moe: C++ host layer built in {time.perf_counter() - start:.0f} s "
+              "(the CUDA kernels compile at their first use, each once)", file=sys.stderr, flush=True)
+    return module
 
 
 def _handle(source: str, name: str, dev: int) -> int:

@@ -15,8 +15,10 @@ import functools
 import hashlib
 import os
 import re
+import sys
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -117,8 +119,15 @@ def compile_source(path: Path, arch: str) -> bytes:
     cached = cache_dir() / f"{path.stem}-{arch}-{key[:32]}.cubin"
     if cached.exists():
         return cached.read_bytes()
+    # A first use compiles each source the process needs once (then it is cached for every later
+    # process): say which, and how long it took, rather than pause silently.
+    print(f"compiled_moe: compiling csrc/{path.name} for {arch} with NVRTC (first use; cached "
+          f"under {cache_dir()})", file=sys.stderr, flush=True)
+    start = time.perf_counter()
     options = _program_options(path, arch)
     cubin = bytes(Program(source.decode(), "c++", options=options).compile("cubin").code)
+    print(f"compiled_moe: csrc/{path.name} compiled in {time.perf_counter() - start:.1f} s",
+          file=sys.stderr, flush=True)
     cached.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=cached.parent, delete=False) as f:  # atomic publish
         f.write(cubin)

@@ -336,8 +336,9 @@ def test_experts_compile_dynamic_one_compile():
 # ------------------------------------------------------------------ csrc, bad inputs
 
 
-def test_csrc_compiles_with_nvrtc(tmp_path, monkeypatch):
-    """Every CUDA source compiles for Hopper (no GPU needed), and the cache serves a rebuild."""
+def test_csrc_compiles_with_nvrtc(tmp_path, monkeypatch, capfd):
+    """Every CUDA source compiles for Hopper (no GPU needed), and the cache serves a rebuild.
+    A compile says so on stderr, with the time it took; a cache hit says nothing."""
     from compiled_moe import native
 
     monkeypatch.setenv("COMPILED_MOE_CACHE_DIR", str(tmp_path))
@@ -345,9 +346,13 @@ def test_csrc_compiles_with_nvrtc(tmp_path, monkeypatch):
     assert sources, "no csrc/*.cu found"
     for path in sources:
         arch = native.source_arch(path, "sm_90")
+        capfd.readouterr()
         cubin = native.compile_source(path, arch)
+        said = capfd.readouterr().err
+        assert f"compiling csrc/{path.name} for {arch}" in said and "compiled in" in said, said
         assert cubin[:4] == b"\x7fELF", path.name
         assert native.compile_source(path, arch) == cubin
+        assert "compiling" not in capfd.readouterr().err
     assert len(list((tmp_path / "nvrtc").glob("*.cubin"))) == len(sources)
 
 
