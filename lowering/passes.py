@@ -422,8 +422,10 @@ def _rewrite_scatter_combines(graph: Graph, cache: dict) -> int:
         perm, top_k = found
         n = _sort_indices_length(perm)
         k = top_k if isinstance(top_k, int) else _val(top_k)
-        if (n is None or not _known(k >= 1) or not _known(ov.shape[0] * k == n)
-                or not _known(sv.shape[0] == n) or not _known(sv.shape[1] == ov.shape[1])):
+        iv = _tensor(index)  # (a narrower index would add only its first columns)
+        if (n is None or iv is None or not _known(k >= 1) or not _known(ov.shape[0] * k == n)
+                or not _known(sv.shape[0] == n) or not _known(sv.shape[1] == ov.shape[1])
+                or not _known(iv.shape[0] == n) or not _known(iv.shape[1] == sv.shape[1])):
             continue
         rows, weights = _scaled_rows(graph, src, perm, top_k, node)
         if rows is None or _tensor(rows) is None or _tensor(rows).dtype not in _FLOATS:

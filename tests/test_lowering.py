@@ -698,3 +698,23 @@ def test_unstable_argsort_keeps_its_routing():
     assert cap.counts[-1]["sort_routing"] == 0 and cap.counts[-1]["sorted_dispatch"] == 2
     assert torch.argsort in cap.targets()
     torch.testing.assert_close(out, block(hidden, ids, weights), rtol=1e-5, atol=1e-5)
+
+
+def test_scatter_add_of_some_columns_is_left_alone():
+    """An index narrower than the rows adds only its columns: not a combine, left in place."""
+    g = torch.Generator().manual_seed(5)
+    T, k, E, H = 9, 2, 4, 8
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    hidden = torch.randn(T, H, generator=g)
+
+    def block(hidden, ids):
+        perm = torch.argsort(ids.view(-1), stable=True)
+        rows = hidden[perm // k] * 3.0
+        index = (perm // k).reshape(-1, 1).expand(-1, H // 2)
+        return torch.zeros_like(hidden).scatter_add(0, index, rows)
+
+    cap = Capture()
+    out = torch.compile(block, backend=cap, fullgraph=True)(hidden, ids)
+    assert cap.counts[-1]["sorted_dispatch"] == 1  # the gather only
+    assert CM.moe_unpermute.default not in cap.targets()
+    torch.testing.assert_close(out, block(hidden, ids))
