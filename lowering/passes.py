@@ -331,8 +331,8 @@ def _erase_unread_inverse(graph: Graph, inverse: Node) -> None:
 def _is_scatter_add_op(target) -> bool:
     """torchtitan's ``torchtitan::deterministic_scatter_add(out, index, src)`` (a custom op:
     matched by name, so torchtitan need not be importable here)."""
-    return (isinstance(target, torch._ops.OpOverload)
-            and target.name() == "torchtitan::deterministic_scatter_add")
+    return str(target) in ("torchtitan.deterministic_scatter_add.default",
+                           "torchtitan.deterministic_scatter_add")
 
 
 def _scatter_add_parts(node: Node):
