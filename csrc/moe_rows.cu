@@ -358,8 +358,6 @@ extern "C" __global__ void moe_activation_backward_rows(const void* __restrict__
 // and in a fixed order. Groups are [offs[g-1], offs[g]) clamped to [0, M] and made monotone (a
 // running max), as the Triton kernel reads them. One block a (group, 64 columns); its 4 row
 // lanes take every 4th row and their sums add in lane order.
-constexpr int SUM_COLUMNS = 64, SUM_LANES = 4;
-
 extern "C" __global__ void __launch_bounds__(SUM_COLUMNS * SUM_LANES)
 grouped_sum_rows(const void* __restrict__ x, int kind, long long x_stride, const int* __restrict__ offs, int G,
                  long long M, int N, void* __restrict__ out, int out_kind, int column_blocks) {

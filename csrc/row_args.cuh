@@ -37,6 +37,9 @@ struct CombineRowsArgs {
   int vector;
 };
 
+// grouped_sum_rows' block: SUM_COLUMNS columns of a group by SUM_LANES row lanes.
+constexpr int SUM_COLUMNS = 64, SUM_LANES = 4;
+
 // Both compilers lay the structs out alike (one definition, plain fields in order of size; NVRTC
 // has no offsetof): a size that differs fails the build of whichever disagrees. NVRTC compiles
 // this in the CPU tier, and g++ builds the host layer there too.

@@ -745,9 +745,9 @@ def rewrite_argsort_routing(graph: Graph) -> int:
                                   for u in layouts):
             continue
         ids_base = _base_of_views(ids)
-        cumsums = [c for n in graph.nodes if _is_call(n, {torch.cumsum}, ("cumsum",))
-                   for c in [n] if _arg(c, 1, "dim") == 0]
-        found = [(c, e) for c in cumsums for e in [_expert_counts(c.args[0], ids_base)] if e]
+        found = [(c, _expert_counts(c.args[0], ids_base)) for c in graph.nodes
+                 if _is_call(c, {torch.cumsum}, ("cumsum",)) and _arg(c, 1, "dim") == 0]
+        found = [(c, e) for c, e in found if e]
         if len(found) != 1 or found[0][1] > MAX_EXPERTS:
             continue
         cumsum, num_experts = found[0]

@@ -309,8 +309,6 @@ at::Tensor moe_activation_backward_cuda(const at::Tensor& grad_in, const at::Ten
   return dh;
 }
 
-constexpr int64_t kSumColumns = 64;  // csrc/moe_rows.cu's SUM_COLUMNS (block: 64 columns x 4 row lanes)
-
 at::Tensor grouped_sum_cuda(const at::Tensor& x_in, const at::Tensor& offs_in, std::optional<c10::ScalarType> out_dtype) {
   check_grouped_sum(x_in, offs_in, out_dtype);
   c10::DeviceGuard guard(x_in.device());
@@ -324,10 +322,11 @@ at::Tensor grouped_sum_cuda(const at::Tensor& x_in, const at::Tensor& offs_in, s
   const void *x_p = x.data_ptr(), *offs_p = offs.data_ptr();
   void* out_p = out.data_ptr();
   int32_t kind = element_kind(x.scalar_type()), g32 = static_cast<int32_t>(G), n32 = static_cast<int32_t>(N),
-          out_kind = element_kind(out_type), column_blocks = static_cast<int32_t>((N + kSumColumns - 1) / kSumColumns);
+          out_kind = element_kind(out_type), column_blocks = static_cast<int32_t>((N + SUM_COLUMNS - 1) / SUM_COLUMNS);
   int64_t x_stride = x.stride(0), M = x.size(0);
   void* args[] = {&x_p, &kind, &x_stride, &offs_p, &g32, &M, &n32, &out_p, &out_kind, &column_blocks};
-  launch(x.device().index(), k->grouped_sum, static_cast<unsigned>(G * column_blocks), 256, 0, args);
+  launch(x.device().index(), k->grouped_sum, static_cast<unsigned>(G * column_blocks), SUM_COLUMNS * SUM_LANES, 0,
+         args);
   return out;
 }
 
