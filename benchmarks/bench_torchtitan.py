@@ -8,15 +8,13 @@ do not sync the host (``torch.cuda.set_sync_debug_mode("error")``).
 
     python benchmarks/bench_torchtitan.py [--tokens 8192] [--models qwen deepseek] [--json out.json]
 
-Needs torchtitan: pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro docstring_parser typeguard
+Needs torchtitan (its MoE layer imports with torch 2.11 and newer): pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro docstring_parser typeguard
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
-import warnings
 
 import torch
 
@@ -29,37 +27,30 @@ SHAPES = {  # name: (dim, experts, top_k, hidden, shared experts' hidden or None
 
 
 def torchtitan_moe(dim: int, experts: int, top_k: int, hidden: int, shared_hidden: int | None,
-                   device="cuda"):
-    """torchtitan's MoE layer at a shape: its DeepSeek-V3 debug model's layer config (softmax
-    router, shared experts) with the sizes replaced; bf16 parameters on `device`."""
-    from torchtitan.models.deepseek_v3 import _debugmodel
+                   route_norm: bool = False, device="cuda", dtype=torch.bfloat16, scale=0.02):
+    """torchtitan's MoE layer at a shape, built by the config helpers its model definitions use
+    (softmax router, shared experts when shared_hidden is set). Built from
+    ``torchtitan.models.common`` rather than a model package: the model packages import
+    torchtitan's FSDP code, which needs a newer torch than 2.11, the layer does not. Parameters
+    random (normal times ``scale``), ``dtype`` on ``device``."""
+    from torchtitan.models.common import config_utils as tt
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        base = next(l.moe for l in _debugmodel("flex", "standard").layers
-                    if getattr(l, "moe", None) is not None)
-    r = dataclasses.replace
-    routed = base.routed_experts
-    config = r(base, num_experts=experts,
-               routed_experts=r(routed,
-                                inner_experts=r(routed.inner_experts, dim=dim, hidden_dim=hidden,
-                                                num_experts=experts),
-                                token_dispatcher=r(routed.token_dispatcher, num_experts=experts,
-                                                   top_k=top_k)),
-               router=r(base.router, num_experts=experts, top_k=top_k,
-                        gate=r(base.router.gate, in_features=dim, out_features=experts)),
-               shared_experts=None if shared_hidden is None else r(
-                   base.shared_experts,
-                   w1=r(base.shared_experts.w1, in_features=dim, out_features=shared_hidden),
-                   w2=r(base.shared_experts.w2, in_features=shared_hidden, out_features=dim),
-                   w3=r(base.shared_experts.w3, in_features=dim, out_features=shared_hidden)))
+    config = tt.make_moe_config(
+        num_experts=experts,
+        router=tt.make_router_config(dim=dim, num_experts=experts, gate_param_init={},
+                                     top_k=top_k, score_func="softmax", route_norm=route_norm),
+        routed_experts=tt.make_routed_experts_config(dim=dim, hidden_dim=hidden,
+                                                     num_experts=experts, top_k=top_k,
+                                                     param_init={}, comm_backend="standard"),
+        shared_experts=None if shared_hidden is None else tt.make_ffn_config(
+            dim=dim, hidden_dim=shared_hidden, w1_param_init={}, w2w3_param_init={}))
     torch.manual_seed(0)
     with torch.device(device):
         moe = config.build()
     with torch.no_grad():
         for p in moe.parameters():
-            p.copy_(torch.randn_like(p) * 0.02)
-    return moe.to(torch.bfloat16)
+            p.copy_(torch.randn_like(p) * scale)
+    return moe.to(dtype)
 
 
 class _Counts(logging.Handler):

@@ -5,49 +5,37 @@ and per-expert counts from a one-hot sum), its gather, its score-weighted scatte
 compiled_moe's ops, in one graph, and the layer's output, every gradient and its
 load-balancing buffer stay those of eager.
 
-Skipped where torchtitan is not installed or does not import (CI installs it with the README's
-test command; torchtitan 0.3.0 imports with torch 2.15, not 2.11)."""
+Skipped where torchtitan is not installed (CI installs it with the README's test command). The
+layer is built from ``torchtitan.models.common``, which imports with torch 2.11 and newer."""
 
 from __future__ import annotations
 
 import copy
-import warnings
+import os
+import sys
 
 import pytest
 import torch
 
 pytest.importorskip("torchtitan")
-try:
-    import torchtitan.models.qwen3  # noqa: F401  (0.3.0 needs a newer torch than 2.11)
-except ImportError as e:
-    pytest.skip(f"torchtitan does not import with torch {torch.__version__}: {e}",
-                allow_module_level=True)
-
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+from bench_torchtitan import torchtitan_moe  # noqa: E402
 from helpers import RewriteCapture  # noqa: E402
 
 CM = torch.ops.compiled_moe
 
+# The MoE layers of torchtitan's debug models: (dim, experts, top_k, hidden, shared experts'
+# hidden, route_norm) of qwen3's debugmodel_moe and deepseek_v3's debugmodel.
+LAYERS = {"qwen3": (256, 64, 8, 768, None, True), "deepseek_v3": (256, 8, 3, 256, 512, False)}
 
-def _moe_layer(model: str, seed: int = 0):
-    """The MoE layer of torchtitan's debug model (`model`: qwen3 or deepseek_v3), weights
-    random at a scale that keeps the routing and activations away from saturation."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if model == "qwen3":
-            from torchtitan.models.qwen3 import _debugmodel_moe
 
-            config = _debugmodel_moe("flex")
-        else:
-            from torchtitan.models.deepseek_v3 import _debugmodel
-
-            config = _debugmodel("flex", "standard")
-    layer = next(l.moe for l in config.layers if getattr(l, "moe", None) is not None)
-    torch.manual_seed(seed)
-    moe = layer.build()
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(torch.randn_like(p) * 0.05)
-    return moe
+def _moe_layer(model: str):
+    """fp32 on the CPU, weights at a scale that keeps the routing and activations away from
+    saturation."""
+    *shape, route_norm = LAYERS[model]
+    return torchtitan_moe(*shape, route_norm=route_norm, device="cpu", dtype=torch.float32,
+                          scale=0.05)
 
 
 def _run(call, moe, x, grad):
