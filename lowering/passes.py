@@ -820,6 +820,118 @@ def rewrite_gated_activations(graph: Graph) -> int:
     return count
 
 
+_CAST_METHODS = {"bfloat16": torch.bfloat16, "half": torch.float16, "float": torch.float32}
+
+
+def _cast_source(node: Any):
+    """(src, dtype) when node is a dtype cast of src (x.bfloat16(), x.half(), x.float(),
+    x.to(dtype)), else (node, None)."""
+    if isinstance(node, Node) and node.op == "call_method" and len(node.args) >= 1:
+        if node.target in _CAST_METHODS and len(node.args) == 1 and not node.kwargs:
+            return node.args[0], _CAST_METHODS[node.target]
+        if node.target == "to" and len(node.args) == 2 and isinstance(node.args[1], torch.dtype):
+            return node.args[0], node.args[1]
+    return node, None
+
+
+def _same_rows(a: Node, b: Node) -> bool:
+    """a and b hold the same values: one node, or casts of one node to one dtype."""
+    if a is b:
+        return True
+    (sa, da), (sb, db) = _cast_source(a), _cast_source(b)
+    return da is not None and da == db and sa is sb
+
+
+def _plain_grouped_mm(node: Any, offs=None):
+    """(rows, b, offs) when node is compiled_moe's grouped_mm on a 2-D rows operand and a 3-D
+    weight, without a bias or an out_dtype (and on `offs`, when given), else None."""
+    if not _is_call(node, {torch.ops.compiled_moe.grouped_mm.default}):
+        return None
+    a, b, node_offs = node.args[0], node.args[1], _arg(node, 2, "offs")
+    if _arg(node, 3, "bias") is not None or _arg(node, 4, "out_dtype") is not None:
+        return None
+    if offs is not None and node_offs is not offs:
+        return None
+    av, bv = _tensor(a), _tensor(b)
+    if av is None or bv is None or av.dim() != 2 or bv.dim() != 3:
+        return None
+    return a, b, node_offs
+
+
+def _is_dtype_reference(user: Node, node: Node) -> bool:
+    """user is y.type_as(node): it reads node's dtype only."""
+    return user.op == "call_method" and user.target == "type_as" and user.args[1:] == (node,)
+
+
+def _gathered_rows(rows: Node):
+    """(permute, dtype) when FC1's rows are permute = moe_permute(hidden, row_of, source),
+    unscaled, cast to dtype or not, and used by nothing else (or for its dtype); else None."""
+    src, dtype = _cast_source(rows)
+    if not _is_call(src, {torch.ops.compiled_moe.moe_permute.default}) or len(src.args) != 3:
+        return None
+    if any(not (u is rows or _cast_source(u) == (src, dtype) or _is_dtype_reference(u, src))
+           for u in src.users):
+        return None
+    return src, dtype
+
+
+def rewrite_gated_grouped_mm(graph: Graph) -> int:
+    """Replace ``grouped_mm(silu(grouped_mm(x, w1^T)) * grouped_mm(x, w3^T), w2^T)`` on one
+    offs (torchtitan's experts: the gate and up projections as two weights) with moe_mlp on
+    w1 and w3 as they are: one FC1 kernel reads both, the activation in its epilogue. Rows
+    gathered by moe_permute just before are read through the routing map instead. Returns
+    the count."""
+    silu = _silu_targets()
+    count = 0
+    for fc2 in list(graph.nodes):
+        fc2_args = _plain_grouped_mm(fc2)
+        if fc2_args is None:
+            continue
+        mul, b2, offs = fc2_args
+        if not _is_call(mul, {operator.mul, torch.mul}, ("mul",)) or len(mul.args) != 2 \
+                or mul.kwargs or len(mul.users) != 1:
+            continue
+        for act, up in (mul.args, mul.args[::-1]):
+            if not (_is_call(act, silu, ("silu",)) and len(act.args) == 1
+                    and not act.kwargs.get("inplace") and len(act.users) == 1):
+                continue
+            gate = act.args[0]
+            gate_args, up_args = _plain_grouped_mm(gate, offs), _plain_grouped_mm(up, offs)
+            if gate_args is None or up_args is None or len(gate.users) != 1 or len(up.users) != 1:
+                continue
+            (rows, b1, _), (rows_up, b3, _) = gate_args, up_args
+            rv, b1v, b3v, b2v = (_tensor(n) for n in (rows, b1, b3, b2))
+            if not _same_rows(rows, rows_up) or b1v.shape != b3v.shape or not (
+                    rv.dtype == b1v.dtype == b3v.dtype == b2v.dtype) or rv.dtype not in _FLOATS:
+                continue
+            if not (_known(b2v.shape[1] == b1v.shape[2]) and _known(b2v.shape[2] == rv.shape[1])):
+                continue
+            weights = [_emit(graph, fc2, torch.transpose, b, -2, -1) for b in (b1, b2, b3)]
+            gathered = _gathered_rows(rows)
+            if gathered is not None:
+                permute, dtype = gathered
+                hidden, row_of, source = permute.args
+                for u in [u for u in permute.users if _is_dtype_reference(u, permute)]:
+                    u.args = (u.args[0], hidden)  # (moe_permute keeps hidden's dtype)
+                if dtype is not None:
+                    hidden = _emit(graph, fc2, torch.Tensor.to, hidden, dtype)
+                x, route = hidden, (source, row_of)
+            else:
+                x, route = rows, (None, None)
+            from compiled_moe.reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT
+
+            mlp = _emit(graph, fc2, torch.ops.compiled_moe.moe_mlp.default, x, offs, weights[0],
+                        weights[1], "swiglu", "stacked", None, None, None, *route,
+                        GPT_OSS_ALPHA, GPT_OSS_LIMIT, True, weights[2])
+            _replace(graph, fc2, _emit(graph, fc2, operator.getitem, mlp, 0))
+            dead = [mul, act, gate, up, rows, rows_up, b1, b3]
+            dead += [_cast_source(n)[0] for n in (rows, rows_up, b1, b3)]
+            _erase_unused(graph, [n for n in dict.fromkeys(dead) if not getattr(n, "_erased", False)])
+            count += 1
+            break
+    return count
+
+
 def rewrite(graph: Graph) -> dict[str, int]:
     """Every rewrite of this module, in order; returns how many nodes each replaced."""
     import compiled_moe  # noqa: F401  (registers torch.ops.compiled_moe)
@@ -828,7 +940,7 @@ def rewrite(graph: Graph) -> dict[str, int]:
               "grouped_mm": rewrite_grouped_mm(graph)}
     counts["row_masks"] = remove_row_masks(graph)  # (reads the sort: before sort_routing)
     counts["sort_routing"] = rewrite_sort_routing(graph) + rewrite_argsort_routing(graph)
-    counts["gated_activation"] = rewrite_gated_activations(graph)
+    counts["gated_activation"] = rewrite_gated_activations(graph) + rewrite_gated_grouped_mm(graph)
     if any(counts.values()):
         graph.lint()
     return counts

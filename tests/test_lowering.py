@@ -127,6 +127,84 @@ def test_gated_activation_rewrite_and_the_forms_it_leaves():
         torch.testing.assert_close(got, want)
 
 
+def _two_weight_experts(seed=5, rows=41, hidden=24, inter=16, groups=5):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: (torch.randn(*s, generator=g) * 0.3).bfloat16()  # noqa: E731
+    return (mk(rows, hidden), mk(groups, inter, hidden), mk(groups, hidden, inter),
+            mk(groups, inter, hidden), random_offsets(rows, groups, generator=g, empty_groups=1,
+                                                      tail=4))
+
+
+def test_gate_and_up_grouped_mm_become_one_moe_mlp():
+    """grouped_mm(silu(grouped_mm(x, w1^T)) * grouped_mm(x, w3^T), w2^T) on one offs (w1 and
+    w3 two weights, as torchtitan keeps them) becomes one moe_mlp reading both, with the
+    float64 loop's output and every gradient."""
+    x, w1, w2, w3, offs = _two_weight_experts()
+
+    def experts(x, w1, w2, w3, offs):
+        gmm = lambda a, w: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)  # noqa: E731
+        return gmm(torch.nn.functional.silu(gmm(x, w1)) * gmm(x, w3), w2)
+
+    leaves = [_leaf(t) for t in (x, w1, w2, w3)]
+    cap = Capture()
+    out = torch.compile(experts, backend=cap, fullgraph=True)(*leaves, offs)
+    assert cap.counts[-1]["grouped_mm"] == 3 and cap.counts[-1]["gated_activation"] == 1
+    targets = cap.targets()
+    assert targets.count(CM.moe_mlp.default) == 1 and CM.grouped_mm.default not in targets
+
+    f64 = [t.double().requires_grad_(True) for t in (x, w1, w2, w3)]
+    stacked = torch.cat([f64[1], f64[3]], dim=1)
+    want = loop_moe_mlp_sorted(f64[0], stacked, f64[2], offs)
+    cot = torch.randn(want.shape, dtype=torch.float64)
+    torch.testing.assert_close(out.double(), want, rtol=3e-2, atol=3e-2)
+    out.backward(cot.bfloat16())
+    want.backward(cot)
+    for got, ref in zip(leaves, f64):
+        scale = ref.grad.abs().max().item()
+        torch.testing.assert_close(got.grad.double(), ref.grad, rtol=3e-2, atol=3e-2 * scale)
+
+
+def loop_moe_mlp_sorted(x, w13, w2, offs):
+    """swiglu MLP on sorted rows, a loop over groups; rows past the last group 0."""
+    out = torch.zeros(x.shape, dtype=x.dtype)
+    inter = w2.shape[2]
+    start = 0
+    for gi, end in enumerate(offs.tolist()):
+        h = x[start:end] @ w13[gi].T
+        a = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+        out = out.index_put((torch.arange(start, end),), a @ w2[gi].T)
+        start = end
+    return out
+
+
+def test_gate_and_up_grouped_mm_forms_left_alone():
+    """Different rows, different offsets, a gate read elsewhere too: each stays as written."""
+    x, w1, w2, w3, offs = _two_weight_experts()
+    y = torch.randn(x.shape).bfloat16()
+    offs2 = offs.clone()
+    offs2[0] = 0  # other offsets, the same rows in all
+
+    def gmm(a, w, o):
+        return torch._grouped_mm(a, w.transpose(-2, -1), offs=o)
+
+    silu = torch.nn.functional.silu
+
+    def forms(x, y, w1, w2, w3, offs, offs2):
+        other_rows = gmm(silu(gmm(x, w1, offs)) * gmm(y, w3, offs), w2, offs)
+        other_offs = gmm(silu(gmm(x, w1, offs)) * gmm(x, w3, offs2), w2, offs)
+        gate = gmm(x, w1, offs)
+        gate_read_twice = gmm(silu(gate) * gmm(x, w3, offs), w2, offs) + gate.sum()
+        return other_rows, other_offs, gate_read_twice
+
+    cap = Capture()
+    outs = torch.compile(forms, backend=cap, fullgraph=True)(x, y, w1, w2, w3, offs, offs2)
+    assert cap.counts[-1]["gated_activation"] == 0
+    assert CM.moe_mlp.default not in cap.targets()
+    end = int(offs[-1])  # (torch leaves the rows past the last group unwritten)
+    for got, want in zip(outs, forms(x, y, w1, w2, w3, offs, offs2)):
+        torch.testing.assert_close(got[:end], want[:end], rtol=2e-2, atol=2e-2)
+
+
 # ------------------------------------------------------------------ HF's grouped_mm backend
 
 

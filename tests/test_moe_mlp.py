@@ -3,6 +3,8 @@ reference vs a float64 loop over groups, Triton kernels in the interpreter (forw
 backward, both FC1 epilogue variants), gradients, opcheck, compile, the training features
 (main_grad with a mask, delayed weight gradients) and bad inputs."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -247,6 +249,73 @@ def test_moe_mlp_gather_matches_sorted_input(corrupt):
     torch.testing.assert_close(gathered, on_sorted, rtol=0, atol=0)
 
 
+# ------------------------------------------------------------------ gate and up as two weights
+
+
+def _split_up(inp):
+    """(gate, up, stacked): leaves holding the halves of inp's stacked w1, and the whole."""
+    inter = inp["w1"].shape[1] // 2
+    w1 = inp["w1"].detach()
+    gate, up = (w1[:, :inter].clone().requires_grad_(True),
+                w1[:, inter:].clone().requires_grad_(True))
+    stacked = w1.clone().requires_grad_(True)
+    return gate, up, stacked
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("storage", ["same", "transposed_up"])
+def test_separate_up_weight_matches_stacked(kernels, gather, storage):
+    """moe_mlp with w1 = gate (G, I, H) and w3 = up, two tensors, against the same op on the
+    stacked cat([w1, w3], 1): output, h and every gradient (w1's and w3's are the halves of
+    the stacked gradient). Also with w3 stored transposed (the kernel then reads a copy in
+    w1's order)."""
+    if gather:
+        ex = _experts("swiglu", True)
+        offs, row_of, source = loop_route(ex["topk_ids"], 5)
+        x, w2, b1 = ex["hidden"], ex["w2"], ex["b1"]
+        extra = dict(source=source, row_of=row_of)
+        inp = dict(w1=ex["w1"])
+    else:
+        inp = _inputs("swiglu", True, True, dtype=torch.float32, requires_grad=True)
+        x, offs, w2, b1 = inp["x_sorted"], inp["offs"], inp["w2"], inp["b1"]
+        extra = dict(probs=inp["probs"])
+    gate, up, stacked = _split_up(inp)
+    if storage == "transposed_up":
+        up = up.detach().mT.contiguous().mT.requires_grad_(True)
+    op = torch.ops.compiled_moe.moe_mlp
+    with kernels_on_cpu() if kernels else contextlib.nullcontext():
+        y, h = op(x, offs, gate, w2, "swiglu", b1=b1, w3=up, **extra)
+        got = torch.autograd.grad(y, [x, gate, up, w2, b1], torch.ones_like(y))
+        y_s, h_s = op(x, offs, stacked, w2, "swiglu", b1=b1, **extra)
+        want = torch.autograd.grad(y_s, [x, stacked, w2, b1], torch.ones_like(y_s))
+    torch.testing.assert_close(y, y_s, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h, h_s, rtol=1e-5, atol=1e-5)
+    inter = gate.shape[1]
+    pairs = [(got[0], want[0]), (got[1], want[1][:, :inter]), (got[2], want[1][:, inter:]),
+             (got[3], want[2]), (got[4], want[3])]
+    for g, w in pairs:
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    assert got[2].stride() == up.stride()  # w3's gradient in w3's own storage order
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(activation="gelu"), "needs a gated activation"),
+    (dict(gate_up_layout="interleaved"), "gate_up_layout='stacked'"),
+    (dict(w3_shape=(4, 16, 23)), "w3 must be shaped like w1"),
+])
+def test_separate_up_weight_bad_inputs(change, match):
+    inp = _inputs("swiglu", False, False, dtype=torch.float32)
+    gate = inp["w1"][:, :16]
+    w3 = torch.zeros(change.get("w3_shape", tuple(gate.shape)))
+    kw = dict(activation="swiglu", gate_up_layout="stacked")
+    kw.update({k: v for k, v in change.items() if k != "w3_shape"})
+    w2 = inp["w2"] if kw["activation"] == "swiglu" else torch.zeros(4, 24, 32)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.compiled_moe.moe_mlp(inp["x_sorted"], inp["offs"], gate, w2, kw["activation"],
+                                       kw["gate_up_layout"], w3=w3)
+
+
 # ------------------------------------------------------------------ opcheck, compile
 
 
@@ -263,6 +332,10 @@ def _opcheck_samples():
         "mlp_plain": (mlp, args),
         "mlp_gather": (mlp, (ex["hidden"], offs, ex["w1"], ex["w2"], "gpt_oss", "interleaved",
                              None, None, None, source, row_of, 1.5, 6.0)),
+        "mlp_separate_up": (mlp, (inp["x_sorted"], inp["offs"], inp["w1"][:, :16].contiguous(),
+                                  inp["w2"], "swiglu", "stacked", inp["probs"], inp["b1"], None,
+                                  None, None, 1.702, 7.0, True,
+                                  inp["w1"][:, 16:].contiguous())),
         "dgrad": (dgrad, (dy, inp["w2"], h, inp["offs"], inp["probs"], "swiglu", "stacked",
                           1.702, 7.0)),
         "dgrad_no_probs": (dgrad, (dy, inp["w2"], h, inp["offs"], None, "geglu", "interleaved",

@@ -1,8 +1,9 @@
 """CPU tier against a real client: torchtitan's MoE layer (its debug models' shapes) under
 ``torch.compile(backend="compiled_moe")``. The backend rewrites its routing (a stable argsort
-and per-expert counts from a one-hot sum), its gather, its score-weighted scatter-add combine
-(torchtitan's ``deterministic_scatter_add``) and its three ``torch._grouped_mm`` calls onto
-compiled_moe's ops, in one graph, and the layer's output, every gradient and its
+and per-expert counts from a one-hot sum), its score-weighted scatter-add combine
+(torchtitan's ``deterministic_scatter_add``), and its gather with its three
+``torch._grouped_mm`` calls and the gated activation between them (one moe_mlp that reads
+w1 and w3 as they are) onto compiled_moe's ops, in one graph, and the layer's output, every gradient and its
 load-balancing buffer stay those of eager.
 
 Skipped where torchtitan is not installed (CI installs it with the README's test command). The
@@ -69,10 +70,11 @@ def test_every_part_of_the_layer_is_rewritten(model):
     assert counts["grouped_mm"] == 3
     assert counts["sorted_dispatch"] == 2  # the gather and the scatter-add combine
     assert counts["sort_routing"] == 1
+    assert counts["gated_activation"] == 1  # the three GEMMs and the gather: one moe_mlp
     targets = set(cap.targets())
-    assert {CM.moe_route.default, CM.moe_permute.default, CM.moe_unpermute.default,
-            CM.grouped_mm.default} <= targets
+    assert {CM.moe_route.default, CM.moe_mlp.default, CM.moe_unpermute.default} <= targets
     assert torch.argsort not in targets and torch._grouped_mm not in targets
+    assert CM.grouped_mm.default not in targets and CM.moe_permute.default not in targets
     assert not any("deterministic_scatter_add" in str(t) for t in targets)
     torch.testing.assert_close(out, moe(x), rtol=2e-2, atol=2e-2)
 

@@ -87,29 +87,34 @@ def _weight_tile(desc, base, g, n0, k0, N, K, stride_n, stride_k, TMA: tl.conste
 
 @triton.jit
 def _mlp_fc1_kernel(
-    x_ptr, source_ptr, w_ptr, bias_ptr, probs_ptr, h_ptr, out_ptr, offs_ptr,
+    x_ptr, source_ptr, w_ptr, up_ptr, bias_ptr, probs_ptr, h_ptr, out_ptr, offs_ptr,
     M, I, K, G, top_k, num_pairs, alpha, limit,
     stride_xm, stride_xk,
     stride_wg, stride_wn, stride_wk,
+    stride_ug, stride_un, stride_uk,
     stride_hm, stride_om, stride_bias_g,
     G_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr,
     ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, W_COLS: tl.constexpr,
+    SEPARATE_UP: tl.constexpr,
     GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, STORE_H: tl.constexpr,
     TMA_X: tl.constexpr, TMA_W: tl.constexpr, W_K_CONTIGUOUS: tl.constexpr,
     TMA_OUT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     """out (M, I) = act(x[rows] @ w[g]^T + bias[g]) (* probs); h (M, N1) the pre-activation.
 
-    w is FC1's weight (G, N1, K), any strides. GATHER: sorted row r reads x[source[r] // top_k]
+    w is FC1's weight (G, N1, K), any strides. SEPARATE_UP: w holds the gate rows alone
+    (G, I, K) and up_ptr the up rows (G, I, K), with their own strides (w1 and w3 as two
+    tensors); else up_ptr is unused. GATHER: sorted row r reads x[source[r] // top_k]
     (zeros where source[r] is not a pair index in [0, num_pairs): padding rows hold -1); else row
     r reads x[r]. Programs own BLOCK_N output columns and compute the gate and the up columns
     that feed them: W_COLS = 2 * BLOCK_N contiguous weight rows for interleaved gate/up, BLOCK_N
-    rows at col0 and at I + col0 for stacked.
+    rows at col0 and at I + col0 for stacked (or at col0 of the up tensor).
     """
     pid = tl.program_id(0)
     N1 = 2 * I if GATED else I
+    NW = I if SEPARATE_UP else N1  # rows of w
     g_vec = tl.arange(0, G_PAD)
     ends = tl.load(offs_ptr + g_vec, mask=g_vec < G, other=0)
     prev = tl.load(offs_ptr + g_vec - 1, mask=(g_vec >= 1) & (g_vec <= G), other=0)
@@ -117,18 +122,27 @@ def _mlp_fc1_kernel(
         _row_tile_schedule(ends, prev, M, I, BLOCK_M, BLOCK_N)
     x_desc = x_ptr  # placeholders where TMA is off: the helpers then use the pointers
     w_desc = w_ptr
+    u_desc = up_ptr
     if TMA_X:
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
     if TMA_W:
         if W_K_CONTIGUOUS:
-            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, N1, K],
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, NW, K],
                                                strides=[stride_wg, stride_wn, 1],
                                                block_shape=[1, W_COLS, BLOCK_K])
+            if SEPARATE_UP:
+                u_desc = tl.make_tensor_descriptor(up_ptr, shape=[G, I, K],
+                                                   strides=[stride_ug, stride_un, 1],
+                                                   block_shape=[1, W_COLS, BLOCK_K])
         else:
-            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, K, N1],
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G, K, NW],
                                                strides=[stride_wg, stride_wk, 1],
                                                block_shape=[1, BLOCK_K, W_COLS])
+            if SEPARATE_UP:
+                u_desc = tl.make_tensor_descriptor(up_ptr, shape=[G, K, I],
+                                                   strides=[stride_ug, stride_uk, 1],
+                                                   block_shape=[1, BLOCK_K, W_COLS])
 
     h_desc = h_ptr
     out_desc = out_ptr
@@ -159,10 +173,14 @@ def _mlp_fc1_kernel(
         for k0 in range(0, K, BLOCK_K):
             a = _rows_tile(x_desc, x_ptr, row0, x_rows, row_ok, k0, K, stride_xm, stride_xk,
                            TMA_X, BLOCK_K)
-            wg = _weight_tile(w_desc, w_base, g, wn0, k0, N1, K, stride_wn, stride_wk, TMA_W,
+            wg = _weight_tile(w_desc, w_base, g, wn0, k0, NW, K, stride_wn, stride_wk, TMA_W,
                               W_K_CONTIGUOUS, W_COLS, BLOCK_K)
             acc_g = tl.dot(a, wg, acc_g, input_precision=INPUT_PRECISION)
-            if GATED and not INTERLEAVED:
+            if SEPARATE_UP:
+                wu = _weight_tile(u_desc, up_ptr + g.to(tl.int64) * stride_ug, g, col0, k0, I, K,
+                                  stride_un, stride_uk, TMA_W, W_K_CONTIGUOUS, W_COLS, BLOCK_K)
+                acc_u = tl.dot(a, wu, acc_u, input_precision=INPUT_PRECISION)
+            elif GATED and not INTERLEAVED:
                 wu = _weight_tile(w_desc, w_base, g, I + col0, k0, N1, K, stride_wn, stride_wk,
                                   TMA_W, W_K_CONTIGUOUS, W_COLS, BLOCK_K)
                 acc_u = tl.dot(a, wu, acc_u, input_precision=INPUT_PRECISION)
@@ -227,11 +245,12 @@ def _epilogue_tma(cfg, inter: int, contiguous_gate_up: bool, *tensors) -> bool:
 def mlp_fc1(x: torch.Tensor, source: torch.Tensor | None, top_k: int, w1: torch.Tensor,
             offs: torch.Tensor, bias: torch.Tensor | None, probs: torch.Tensor | None,
             h: torch.Tensor | None, out: torch.Tensor, activation: str, gate_up_layout: str,
-            alpha: float, limit: float) -> None:
+            alpha: float, limit: float, w3: torch.Tensor | None = None) -> None:
     """out (M, I) = act(x[rows] @ w1[g]^T (+ bias[g])) (* probs); h (M, N1) when given.
 
-    w1: (G, N1, K), any strides. source: (M,) with rows read from x[source // top_k], or None
-    (x is already sorted, M rows)."""
+    w1: (G, N1, K), any strides; or, with w3, w1 the gate rows (G, I, K) and w3 the up rows
+    (stacked gate/up). source: (M,) with rows read from x[source // top_k], or None (x is
+    already sorted, M rows)."""
     M, inter = out.shape
     K = x.shape[1]
     G, n1, _ = w1.shape
@@ -246,23 +265,30 @@ def mlp_fc1(x: torch.Tensor, source: torch.Tensor | None, top_k: int, w1: torch.
                          x.device.type)
     w_cols = 2 * cfg.block_n if interleaved else cfg.block_n
     k_contig = _weight_k_contiguous(w1)
-    w_inner = w1 if k_contig else w1.transpose(1, 2)
+    if w3 is not None and _weight_k_contiguous(w3) != k_contig:
+        # One storage order for both weights (the tile loads share it); a copy, for callers
+        # whose two weights are laid out differently.
+        w3 = w3.contiguous() if k_contig else w3.transpose(1, 2).contiguous().transpose(1, 2)
+    inner = [w if k_contig else w.transpose(1, 2) for w in (w1, w3) if w is not None]
     tma_x = K > 0 and source is None and _use_tma(x)
-    tma_w = K > 0 and _use_tma(w_inner)
+    tma_w = K > 0 and _use_tma(*inner)
     tma_out = _epilogue_tma(cfg, inter, interleaved or not gated, out,
                             *([h] if h is not None else []))
     num_programs = _num_sms(_device_index(x)) * cfg.ctas_per_sm
     traceable(_mlp_fc1_kernel)[(num_programs,)](
-        x, source if source is not None else offs, w1, bias if bias is not None else out,
+        x, source if source is not None else offs, w1, w3 if w3 is not None else w1,
+        bias if bias is not None else out,
         probs if probs is not None else out, h if h is not None else out, out, offs,
         M, inter, K, G, max(top_k, 1), x.shape[0] * top_k, float(alpha), float(limit),
         x.stride(0), x.stride(1),
         w1.stride(0), w1.stride(1), w1.stride(2),
+        *(w3 if w3 is not None else w1).stride(),
         h.stride(0) if h is not None else 0, out.stride(0),
         bias.stride(0) if bias is not None else 0,
         G_PAD=_pad_groups(G),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         NUM_SMS=num_programs, ACT=act, GATED=gated, INTERLEAVED=interleaved, W_COLS=w_cols,
+        SEPARATE_UP=w3 is not None,
         GATHER=source is not None, HAS_BIAS=bias is not None, HAS_PROBS=probs is not None,
         STORE_H=h is not None, TMA_X=tma_x, TMA_W=tma_w, W_K_CONTIGUOUS=k_contig,
         TMA_OUT=tma_out, WARP_SPECIALIZE=cfg.warp_specialize,

@@ -1,7 +1,9 @@
 """The fused expert MLP op: schema, fake, autograd and device dispatch, side by side.
 
 torch.ops.compiled_moe.moe_mlp             (y, h): FC1 -> activation (* probs) -> FC2 on
-                                           expert-sorted rows, optionally gathered from tokens
+                                           expert-sorted rows, optionally gathered from tokens;
+                                           the gate and up weights stacked in w1, or as w1
+                                           and w3 (two tensors, read as they are)
 torch.ops.compiled_moe.moe_mlp_fc2_dgrad   (dh, a, dprobs): FC2's input gradient, then the
                                            activation backward, its recomputed output and
                                            the gradient of probs in one pass over h
@@ -51,8 +53,15 @@ def _kernels():
     return kernels
 
 
-def _inter(w1: Tensor, activation: str):
-    return w1.shape[1] // 2 if activation in GATED_ACTIVATIONS else w1.shape[1]
+def _fc1_width(w1: Tensor, w3: Optional[Tensor]) -> int:
+    """N1, the width of h: w1's rows, and w3's beside them (stacked) when the up projection
+    comes as its own tensor."""
+    return w1.shape[1] * (1 if w3 is None else 2)
+
+
+def _inter(w1: Tensor, activation: str, w3: Optional[Tensor] = None):
+    n1 = _fc1_width(w1, w3)
+    return n1 // 2 if activation in GATED_ACTIVATIONS else n1
 
 
 def check_probs(probs, rows: int) -> None:
@@ -66,17 +75,28 @@ def check_probs(probs, rows: int) -> None:
 
 
 def check_inputs(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, source=None,
-                 row_of=None) -> None:
+                 row_of=None, w3=None) -> None:
     """Host-side checks of moe_mlp's arguments (shapes, dtypes, devices; no data reads)."""
     check_tensor("x", x, 2)
     check_tensor("w1", w1, 3)
     check_tensor("w2", w2, 3)
     check_same_dtype("x", x, w1=w1, w2=w2)
+    if w3 is not None:
+        check_tensor("w3", w3, 3)
+        check_same_dtype("x", x, w3=w3)
+        if activation not in GATED_ACTIVATIONS or gate_up_layout != "stacked":
+            raise ValueError("w3 (the up projection as its own tensor) needs a gated activation "
+                             f"and gate_up_layout='stacked', got {activation!r}, "
+                             f"{gate_up_layout!r}")
+        if w3.shape != w1.shape:
+            raise ValueError(f"w3 must be shaped like w1 (G, I, H) = {tuple(w1.shape)}, got "
+                             f"{tuple(w3.shape)}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if gate_up_layout not in GATE_UP_LAYOUTS:
         raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
-    num_groups, n1, k1 = w1.shape
+    num_groups, _, k1 = w1.shape
+    n1 = _fc1_width(w1, w3)
     check_offs(offs, num_groups)
     hidden = x.shape[1]
     if k1 != hidden:
@@ -84,7 +104,7 @@ def check_inputs(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, sou
                          f"got {tuple(w1.shape)}")
     if activation in GATED_ACTIVATIONS and n1 % 2:
         raise ValueError(f"w1's dim 1 must be even (gate and up) for {activation}, got {n1}")
-    inter = _inter(w1, activation)
+    inter = _inter(w1, activation, w3)
     if tuple(w2.shape) != (num_groups, hidden, inter):
         raise ValueError(f"w2 must be (G, H, I) = ({num_groups}, {hidden}, {inter}), "
                          f"got {tuple(w2.shape)}")
@@ -106,16 +126,16 @@ def check_inputs(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, sou
         if tuple(b2.shape) != (num_groups, hidden):
             raise ValueError(f"b2 must be (G, H) = ({num_groups}, {hidden}), got {tuple(b2.shape)}")
     check_same_device("x", x, offs=offs, w1=w1, w2=w2, probs=probs, b1=b1, b2=b2, source=source,
-                      row_of=row_of)
+                      row_of=row_of, w3=w3)
 
 
 def _rows(x, source):
     return x.shape[0] if source is None else source.shape[0]
 
 
-def _outputs(x, w1, activation, source, save_h):
+def _outputs(x, w1, w3, source, save_h):
     rows = _rows(x, source)
-    h = x.new_empty((rows if save_h else 0, w1.shape[1]))
+    h = x.new_empty((rows if save_h else 0, _fc1_width(w1, w3)))
     return x.new_empty((rows, x.shape[1])), h
 
 
@@ -151,17 +171,21 @@ def _moe_mlp(x: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, activation: str,
              b1: Optional[Tensor] = None, b2: Optional[Tensor] = None,
              source: Optional[Tensor] = None, row_of: Optional[Tensor] = None,
              alpha: float = reference.GPT_OSS_ALPHA, limit: float = reference.GPT_OSS_LIMIT,
-             save_h: bool = True) -> tuple[Tensor, Tensor]:
-    check_inputs(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, source, row_of)
+             save_h: bool = True, w3: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    check_inputs(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, source, row_of, w3)
     top_k = 1 if row_of is None else row_of.shape[1]
     if not use_kernel(x):
-        y, h = reference.moe_mlp(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2,
+        # (The reference's stacked copy of w1 and w3 is the CPU path's only.)
+        w_fc1 = w1 if w3 is None else torch.cat([w1, w3], dim=1)
+        y, h = reference.moe_mlp(x, offs, w_fc1, w2, activation, gate_up_layout, probs, b1, b2,
                                  source, top_k, alpha, limit)
         return y, (h if save_h else h[:0])
     rows_n = _rows(x, source)
+    n1 = _fc1_width(w1, w3)
     a = x.new_empty((rows_n, w2.shape[2]))
-    h = x.new_empty((0, w1.shape[1]))  # what is kept without save_h
-    if _fc1_on_cuda(x, source, w1, b1, a):
+    h = x.new_empty((0, n1))  # what is kept without save_h
+    # Two weights take the fused kernel, which reads both; the CUDA GEMM reads one.
+    if w3 is None and _fc1_on_cuda(x, source, w1, b1, a):
         from compiled_moe.kernels import activations
 
         rows = sorted_input(x, source, row_of)  # the gathered rows live until FC1 is done
@@ -172,10 +196,11 @@ def _moe_mlp(x: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, activation: str,
             h = h_full
     else:
         if save_h:
-            h = x.new_empty((rows_n, w1.shape[1]))
+            h = x.new_empty((rows_n, n1))
         _kernels().mlp_fc1(x, source, top_k, w1, offs, b1,
                            None if probs is None else probs.contiguous(),
-                           h if save_h else None, a, activation, gate_up_layout, alpha, limit)
+                           h if save_h else None, a, activation, gate_up_layout, alpha, limit,
+                           w3)
     y = grouped_mm_on_device(a, w2.transpose(-2, -1), offs, b2, cuda=_fc2_on_cuda(a, w2))
     return y, h
 
@@ -183,17 +208,17 @@ def _moe_mlp(x: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, activation: str,
 @_moe_mlp.register_fake
 def _(x, offs, w1, w2, activation, gate_up_layout="stacked", probs=None, b1=None, b2=None,
       source=None, row_of=None, alpha=reference.GPT_OSS_ALPHA, limit=reference.GPT_OSS_LIMIT,
-      save_h=True):
-    check_inputs(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, source, row_of)
-    return _outputs(x, w1, activation, source, save_h)
+      save_h=True, w3=None):
+    check_inputs(x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, source, row_of, w3)
+    return _outputs(x, w1, w3, source, save_h)
 
 
 def _setup(ctx, inputs, output):
     (x, offs, w1, w2, activation, gate_up_layout, probs, b1, b2, source, row_of, alpha, limit,
-     save_h) = inputs
+     save_h, w3) = inputs
     _, h = output
     ctx.mark_non_differentiable(h)
-    ctx.save_for_backward(x, offs, w1, w2, probs, source, row_of, h)
+    ctx.save_for_backward(x, offs, w1, w2, probs, source, row_of, h, w3)
     ctx.args = (activation, gate_up_layout, alpha, limit)
     ctx.save_h = save_h
     ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
@@ -206,13 +231,24 @@ def _weight_grad(d: Tensor, a: Tensor, offs: Tensor, w: Tensor) -> Tensor:
     return _ops.grouped_mm_wgrad(d, a, offs, out_dtype=w.dtype)
 
 
-def input_grads(dy, x, offs, w1, w2, probs, source, row_of, h, activation_args, need_x):
+def _gate_up(dh: Tensor, w1: Tensor) -> tuple[Tensor, Tensor]:
+    """The gate and up columns of a stacked (M, 2I) gradient, as views."""
+    inter = w1.shape[1]
+    return dh[:, :inter], dh[:, inter:]
+
+
+def input_grads(dy, x, offs, w1, w2, probs, source, row_of, h, activation_args, need_x,
+                w3=None):
     """Backward to the inputs: ``(grad_x or None, dh, a, dprobs)``; dh and a (FC2's input,
     recomputed) are what the weight gradients need."""
     dh, a, dprobs = _ops.moe_mlp_fc2_dgrad(dy, w2, h, offs, probs, *activation_args)
     grad_x = None
     if need_x:
-        dx = _ops.grouped_mm(dh, w1, offs)
+        if w3 is None:
+            dx = _ops.grouped_mm(dh, w1, offs)
+        else:  # the two halves of dh against their own weights (no stacked copy of w1, w3)
+            dh_gate, dh_up = _gate_up(dh, w1)
+            dx = _ops.grouped_mm(dh_gate, w1, offs) + _ops.grouped_mm(dh_up, w3, offs)
         grad_x = dx if source is None else _ops.moe_unpermute(dx, row_of, source)
     return grad_x, dh, a, dprobs
 
@@ -232,6 +268,14 @@ def weight_grads(dy, dh, a, x, offs, w1, w2, source, row_of, need_w1=True, need_
     return grad_w1, grad_w2
 
 
+def gate_up_weight_grads(dh, x, offs, w1, w3, source, row_of, need_w1, need_w3):
+    """(grad_w1, grad_w3) of separate gate and up weights, from their halves of dh."""
+    xs = sorted_input(x, source, row_of) if need_w1 or need_w3 else None
+    dh_gate, dh_up = _gate_up(dh, w1)
+    return (_weight_grad(dh_gate, xs, offs, w1) if need_w1 else None,
+            _weight_grad(dh_up, xs, offs, w3) if need_w3 else None)
+
+
 def bias_grads(dy, dh, offs, bias_dtypes, need_b1, need_b2):
     b1_dtype, b2_dtype = bias_dtypes
     grad_b1 = grad_b2 = None
@@ -243,19 +287,26 @@ def bias_grads(dy, dh, offs, bias_dtypes, need_b1, need_b2):
 
 
 def _backward(ctx, grad_y, _grad_h):
-    x, offs, w1, w2, probs, source, row_of, h = ctx.saved_tensors
+    x, offs, w1, w2, probs, source, row_of, h, w3 = ctx.saved_tensors
     if not ctx.save_h:
         raise RuntimeError("moe_mlp ran with save_h=False, which keeps nothing for backward")
     # The dispatcher drops trailing arguments left at their defaults: pad to the schema.
-    need = tuple(ctx.needs_input_grad) + (False,) * 14
+    need = tuple(ctx.needs_input_grad) + (False,) * 15
     dy = grad_y.to(x.dtype)
     grad_x, dh, a, dprobs = input_grads(dy, x, offs, w1, w2, probs, source, row_of, h, ctx.args,
-                                        need[0])
-    grad_w1, grad_w2 = weight_grads(dy, dh, a, x, offs, w1, w2, source, row_of, need[2], need[3])
+                                        need[0], w3)
+    if w3 is None:
+        grad_w1, grad_w2 = weight_grads(dy, dh, a, x, offs, w1, w2, source, row_of, need[2],
+                                        need[3])
+        grad_w3 = None
+    else:
+        _, grad_w2 = weight_grads(dy, dh, a, x, offs, w1, w2, source, row_of, False, need[3])
+        grad_w1, grad_w3 = gate_up_weight_grads(dh, x, offs, w1, w3, source, row_of, need[2],
+                                                need[14])
     grad_probs = dprobs.to(probs.dtype) if probs is not None and need[6] else None
     grad_b1, grad_b2 = bias_grads(dy, dh, offs, ctx.bias_dtypes, need[7], need[8])
     return (grad_x, None, grad_w1, grad_w2, None, None, grad_probs, grad_b1, grad_b2, None, None,
-            None, None, None)
+            None, None, None, grad_w3)
 
 
 _moe_mlp.register_autograd(_backward, setup_context=_setup)
