@@ -18,7 +18,8 @@ GPU builds of torch install (or ``CUDA_HOME``), and libcuda is opened at run tim
 ``cuda.h`` the layer builds without its CUDA kernels (checks and autograd only).
 
 ``COMPILED_MOE_HOST=0`` turns it off and ``=1`` on; by default it is on where torch is a CUDA
-build. Where it cannot be built, importing the package warns once and the Python path serves.
+build. Where it cannot be built, importing the package warns once; CPU tensors then take the
+Python ops, and on a GPU the ops whose kernels it launches raise (``missing``).
 """
 
 from __future__ import annotations
@@ -173,11 +174,11 @@ def module():
         m = build()
         m.register_kernels(route_kernels, row_kernels)
         return m
-    except Exception as e:  # no compiler, no ninja, a failed build: the Python path serves
+    except Exception as e:  # no compiler, no ninja, a failed build
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        warnings.warn(f"compiled_moe: the C++ host layer could not be built ({first_line}); eager "
-                      f"calls take the Python path, which costs more host time. Set "
-                      f"COMPILED_MOE_HOST=0 to silence this.", stacklevel=2)
+        warnings.warn(f"compiled_moe: the C++ host layer could not be built ({first_line}); CPU "
+                      f"tensors take the Python ops, and on a GPU the ops whose kernels it "
+                      f"launches will raise. Set COMPILED_MOE_HOST=0 to silence this.", stacklevel=2)
         return None
 
 
@@ -185,3 +186,32 @@ def cuda_module():
     """The extension where it has its CUDA kernels, else None."""
     m = module()
     return m if m is not None and m.has_cuda else None
+
+
+def missing(name: str) -> RuntimeError:
+    """The error of an op called on CUDA where this layer, which launches its CUDA kernels, is
+    not loaded (one clear error rather than a slower second launcher to keep equal)."""
+    from compiled_moe import native
+
+    if not enabled():
+        why = "COMPILED_MOE_HOST=0 turned it off"
+    elif module() is None:
+        why = "it could not be built: see the warning at import"
+    elif not native.available():
+        why = "cuda-python (NVRTC) is not installed"
+    else:
+        why = "torch has no CUDA support in it"
+    return RuntimeError(
+        f"torch.ops.compiled_moe.{name} runs its CUDA kernels through compiled_moe's C++ layer "
+        f"(csrc/host), which is not loaded here ({why}). It needs a C++ compiler, ninja and "
+        "cuda-python: pip install 'compiled-moe[cuda]' and a g++ or clang++ on PATH, with "
+        "COMPILED_MOE_HOST unset")
+
+
+def require_cuda_module(name: str):
+    """The extension that launches op `name`'s CUDA kernels; raises ``missing(name)`` where it
+    is not loaded."""
+    m = cuda_module()
+    if m is None:
+        raise missing(name)
+    return m

@@ -227,13 +227,6 @@ def kernel(name: str, function: str, device_index: int):
     return _module(name, device_index).get_kernel(function)
 
 
-@functools.lru_cache(maxsize=None)
-def _stream(handle: int):
-    from cuda.core import Stream
-
-    return Stream.from_handle(handle)
-
-
 def int32(v: int) -> ctypes.c_int32:
     return ctypes.c_int32(v)
 
@@ -249,71 +242,10 @@ def _current_raw_stream(device_index: int) -> int:
     return get(device_index) if get is not None else torch.cuda.current_stream(device_index).cuda_stream
 
 
-@functools.lru_cache(maxsize=None)
-def _launch_config(grid: int, block: int, shared_bytes: int):
-    from cuda.core import LaunchConfig
-
-    return LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
-
-
-@driver_entry
-def launch(function, grid: int, block: int, shared_bytes: int, *args) -> None:
-    """Launch on torch's current stream of the current device, which the ops make their
-    tensors' device (ops._dispatch.on_tensor_device). Tensors pass as pointers; ints must be
-    wrapped (int32/int64).
-
-    Calling libcuda's cuLaunchKernel through ctypes instead was no cheaper: 10.7 against
-    9.4 us per launch of the route's first kernel (same-process A/B on the H200's host).
-    """
-    from cuda.core import launch as cuda_launch
-
-    stream = _stream(_current_raw_stream(torch.cuda.current_device()))
-    params = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
-    cuda_launch(stream, _launch_config(grid, block, shared_bytes), function, *params)
-
-
 # ---------------------------------------------------------------------------------------------
-# Kernels with TMA descriptors: cuda.core's launch takes no raw 128-byte struct, so these go
-# through the driver API directly (cuda.bindings, stable across cuda.core releases).
-
-
-class TensorMap(ctypes.Structure):
-    """A CUtensorMap passed by value (the kernel declares it ``const __grid_constant__``)."""
-    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
-
-
-# A training step encodes about 20 descriptors per MoE layer (FP8: 4 per forward or dgrad GEMM,
-# 3 per weight gradient); an LRU cache smaller than a step's set evicts each entry before its
-# reuse, and every call pays the encoding (5.5 us against 0.14 us for a hit on the H200's host).
-# 8192 entries (about 4 MB) hold a step of a few hundred layers.
-@functools.lru_cache(maxsize=8192)
-@driver_entry
-def tensor_map(address: int, dims: tuple, byte_strides: tuple, box: tuple,
-               data_type: str = "UINT8", swizzle: str = "128B") -> TensorMap:
-    """A tiled TMA descriptor, with the 128-byte swizzle unless told otherwise ("NONE").
-
-    dims, innermost first; byte_strides of dims[1:]; box in elements; data_type a
-    CU_TENSOR_MAP_DATA_TYPE_* name (loads can treat any tensor as bytes; reducing stores
-    need the element type). Out-of-bounds elements read as zero and are not written. Cached:
-    encoding costs a driver call, and a step reuses the same buffers.
-    """
-    from cuda.bindings import driver
-
-    u32, u64 = driver.cuuint32_t, driver.cuuint64_t
-    err, tmap = driver.cuTensorMapEncodeTiled(
-        getattr(driver.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{data_type}"), u32(len(dims)), address,
-        [u64(d) for d in dims], [u64(s) for s in byte_strides], [u32(b) for b in box],
-        [u32(1)] * len(dims),
-        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        getattr(driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swizzle}"),
-        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for dims {dims}, "
-                           f"strides {byte_strides}, box {box}")
-    out = TensorMap()
-    ctypes.memmove(ctypes.addressof(out), tmap.getPtr(), ctypes.sizeof(out))
-    return out
+# Launches from Python, through the driver API (cuda.bindings, stable across cuda.core
+# releases). The C++ layer (csrc/host) launches the GEMM, route and row kernels; what launches
+# here is what a compiled graph calls back into Python for (the columnwise quantize kernels).
 
 
 @functools.lru_cache(maxsize=None)

@@ -65,6 +65,7 @@ def supported(a: torch.Tensor, b: torch.Tensor, bias, out_dtype: torch.dtype) ->
     Addresses are checked by ``aligned`` at launch."""
     if not enabled() or a.device.type != "cuda" or not hopper(a.device.index or 0):
         return False
+    host_layer.require_cuda_module("grouped_mm")  # the one launcher of these kernels
     (_, k), (g, _, n) = a.shape, b.shape
     return (a.dtype in _FWD_KERNELS and out_dtype in _FWD_KERNELS and 0 < g <= MAX_GROUPS
             and k > 0 and n % 8 == 0 and n > 0
@@ -79,6 +80,7 @@ def wgrad_supported(a: torch.Tensor, grad_out: torch.Tensor, out_dtype: torch.dt
     contiguous (G, K, N) output: static conditions. Addresses are checked by ``aligned``."""
     if not enabled() or a.device.type != "cuda" or not hopper(a.device.index or 0):
         return False
+    host_layer.require_cuda_module("grouped_mm_wgrad")
     out_ok = (grad_out.shape[1] * out_dtype.itemsize) % _ALIGN == 0 if out is None else _tma_out(out)
     return (a.dtype in _WGRAD_KERNELS and out_dtype in _OUT_KINDS and _token_major(a)
             and _token_major(grad_out) and out_ok)
@@ -89,41 +91,6 @@ def _shared_bytes(num_stages: int, num_groups: int = 0) -> int:
     # (+ forward: 32 scan ints and 3 ints per group; weight gradient: the tile queue)
     schedule = 4 * (32 + 3 * num_groups) if num_groups else TILE_QUEUE_BYTES
     return num_stages * _STAGE_BYTES + _OUT_STAGE_BYTES + 1024 + 2 * 8 * 8 + schedule
-
-
-def launch_wgrad(source: str, kernel: str, grid: int, shared_bytes: int, offs, M: int, G: int,
-                 tiles_per_group: int, rows_per_step: int, claim_steps: int, row_dim: int, dev: int,
-                 *args) -> None:
-    """A weight gradient's two kernels (csrc/sm90.cuh, TileQueue): wgrad_tile_order chooses from
-    offs between its tiles in the fixed order and tiles claimed at run time (where the fixed
-    order is unbalanced, or where tiles average claim_steps steps or more; 0: never for that
-    reason), on the device (no host sync), and writes per-group copies of the operand maps
-    args[0] and args[1] whose dimension row_dim (the rows the gradient reduces) ends at each
-    group's end (write_group_maps); then `kernel` and `kernel`_claimed of csrc/`source`.cu launch
-    with args, those maps and that choice, and the one not chosen returns at once."""
-    order = torch.empty(2, dtype=torch.int32, device=offs.device)  # the choice, the claims' counter
-    maps = torch.empty(G * 2 * 128, dtype=torch.uint8, device=offs.device)
-    i32 = native.int32
-    native.launch_driver(native.kernel("grouped_mm", "wgrad_tile_order", dev), 1, _LAUNCH["ORDER_THREADS"],
-                         _LAUNCH["ORDER_SCRATCH_BYTES"],
-                         offs, i32(M), i32(G), i32(tiles_per_group), i32(rows_per_step), i32(claim_steps),
-                         i32(grid), order, args[0], args[1], maps, i32(row_dim))
-    for function in (kernel, kernel + "_claimed"):
-        native.launch_driver(native.kernel(source, function, dev), grid, _THREADS, shared_bytes, *args, maps, order)
-
-
-def _map(t: torch.Tensor) -> native.TensorMap:
-    """(rows, cols) 2-byte tensor as bytes: dims {2 cols, rows}, boxes of 64 rows x 128 bytes."""
-    rows, cols = t.shape
-    return native.tensor_map(t.data_ptr(), (cols * 2, rows), (t.stride(0) * 2,), (128, 64))
-
-
-def _out_map(out: torch.Tensor) -> native.TensorMap:
-    """(G, P, Q) output with unit column stride: dims {Q, P, G}, boxes of 128 bytes x 64 rows."""
-    G, P, Q = out.shape
-    es = out.element_size()
-    return native.tensor_map(out.data_ptr(), (Q, P, G), (out.stride(1) * es, out.stride(0) * es),
-                             (128 // es, 64, 1), _OUT_MAP_TYPES[out.dtype])
 
 
 def grouped_mm_wgrad(a, grad_out, offs, out, accumulate: bool, accumulate_mask,
@@ -138,17 +105,9 @@ def grouped_mm_wgrad(a, grad_out, offs, out, accumulate: bool, accumulate_mask,
     if P == 0 or Q == 0 or G == 0:
         return
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    grid, tiles_per_group, num_stages = _wgrad_launch_sizes(P, Q, G, dev, num_stages)
-    offs = offs.contiguous()
-    i32, i64 = native.int32, native.int64
-    launch_wgrad(
-        "grouped_mm", _WGRAD_KERNELS[a.dtype], grid,
-        _shared_bytes(num_stages), offs, M, G, tiles_per_group, 64, 0, 1, dev,
-        _map(a), _map(grad_out), _out_map(out),
-        i32(_OUT_KINDS[out.dtype]), i32(int(accumulate)),
-        accumulate_mask if accumulate_mask is not None else i64(0),  # null: every group adds
-        offs, i32(M), i32(P), i32(Q), i32(G), i32(num_stages),
-    )
+    plan = wgrad_plan(P, Q, G, a.dtype, dev, num_stages)
+    host_layer.require_cuda_module("grouped_mm_wgrad").launch_grouped_mm_wgrad_sm90(
+        a, grad_out, offs, out, plan, accumulate, accumulate_mask)
 
 
 def _wgrad_launch_sizes(P: int, Q: int, G: int, dev: int, num_stages=None) -> tuple[int, int, int]:
@@ -168,8 +127,9 @@ GroupedMmWgradPlan = host_layer.plan_type("GroupedMmWgradPlan")
 
 
 @functools.lru_cache(maxsize=4096)
-def wgrad_plan(P: int, Q: int, G: int, dtype: torch.dtype, dev: int) -> GroupedMmWgradPlan:
-    grid, tiles_per_group, num_stages = _wgrad_launch_sizes(P, Q, G, dev)
+def wgrad_plan(P: int, Q: int, G: int, dtype: torch.dtype, dev: int,
+               num_stages=None) -> GroupedMmWgradPlan:
+    grid, tiles_per_group, num_stages = _wgrad_launch_sizes(P, Q, G, dev, num_stages)
 
     def handle(name):
         return native.function_handle(native.kernel("grouped_mm", name, dev), dev)
@@ -236,41 +196,5 @@ def grouped_mm(a, b, offs, bias, out, num_stages=None, skip_past_rows=None, spli
     G, _, N = b.shape
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
     plan = forward_plan(M, N, K, G, a.dtype, _b_n_major(b), dev, num_stages, skip_past_rows, splits)
-    host = host_layer.cuda_module()
-    if host is not None:  # maps and launches from C++, without ctypes' argument packing
-        host.launch_grouped_mm_sm90(a, b, offs, bias, out, plan)  # it pairs bias, makes offs contiguous
-        return
-    bias = bias_in_pairs(bias)
-    offs = offs.contiguous()
-    # Operands as bytes (2 per element): a in 128-row x 128-byte boxes; b in 64 k-rows x 128 bytes
-    # of n (N-major) or 256 n-rows x 128 bytes of k (K-major); out in 64 x 64-element boxes.
-    # (csrc/host/ops.cpp's launch_grouped_mm_sm90 builds the same maps.)
-    if _b_n_major(b):  # dgrad: b is the (G, N_out, K_in) weight itself
-        b_map = native.tensor_map(b.data_ptr(), (N * 2, K, G), (b.stride(1) * 2, b.stride(0) * 2),
-                                  (128, 64, 1))
-    else:  # forward: b is the transposed view of the weight
-        b_map = native.tensor_map(b.data_ptr(), (K * 2, N, G), (b.stride(2) * 2, b.stride(0) * 2),
-                                  (128, 256, 1))
-    # The skipping kernels load a's tile as two 64-row boxes, or 16-row boxes where a group has
-    # a few rows left; the others as one box of 128 rows (the second map is then unused).
-    a_map = native.tensor_map(a.data_ptr(), (K * 2, M), (a.stride(0) * 2,), (128, 64 if plan.skipping else 128))
-    a_rows_map = (native.tensor_map(a.data_ptr(), (K * 2, M), (a.stride(0) * 2,), (128, 16))
-                  if plan.skipping else a_map)
-    out_map = native.tensor_map(out.data_ptr(), (N, M, 1), (out.stride(0) * 2, out.stride(0) * 2 * M),
-                                (64, 64, 1), _OUT_MAP_TYPES[out.dtype])
-    partial = (torch.empty(plan.max_splits * M * N + 2, device=a.device, dtype=torch.float32)
-               if plan.max_splits > 1 else None)
-    i32, i64 = native.int32, native.int64
-    out_kind = i32(_OUT_KINDS[out.dtype])
-    native.launch_function(
-        plan.function, plan.grid, _THREADS, plan.shared_bytes,
-        a_map, a_rows_map, b_map, out_map, out, out_kind, i64(out.stride(0)),
-        bias if bias is not None else i64(0), i32(_OUT_KINDS[bias.dtype] if bias is not None else -1),
-        i64(bias.stride(0) if bias is not None else 0),
-        offs, i32(M), i32(N), i32(K), i32(G), i32(plan.num_stages),
-        partial if partial is not None else i64(0), i32(plan.max_splits), i32(plan.forced_splits),
-    )
-    if partial is not None:
-        native.launch_function(plan.split_sum, plan.split_sum_grid, 256, 0,
-                               partial, out, out_kind, i64(out.stride(0)), i32(M), i32(N),
-                               i32(plan.max_splits))
+    # (the C++ layer builds the tensor maps, pairs bias, makes offs contiguous)
+    host_layer.require_cuda_module("grouped_mm").launch_grouped_mm_sm90(a, b, offs, bias, out, plan)

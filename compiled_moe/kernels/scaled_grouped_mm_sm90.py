@@ -17,7 +17,7 @@ from compiled_moe.native import tma_aligned as aligned  # noqa: F401 (the ops' l
 from compiled_moe.kernels.configs import (FP8_WGRAD_CLAIM_STEPS, fp8_blockwise_sm90_config,
                                           fp8_wgrad_sm90_config, size_hint)
 from compiled_moe.kernels.grouped_mm import _num_sms
-from compiled_moe.kernels.grouped_mm_sm90 import TILE_QUEUE_BYTES, bias_in_pairs, launch_wgrad
+from compiled_moe.kernels.grouped_mm_sm90 import TILE_QUEUE_BYTES
 
 _THREADS = native.launch_constants()["SM90_THREADS"]  # csrc/sm90_launch.cuh
 MAX_GROUPS = 2048  # the tile list lives in shared memory beside the ring
@@ -44,6 +44,7 @@ def supported(a, b, recipe: str, bias=None) -> bool:
         return False
     if a.device.type != "cuda" or not hopper(a.device.index or 0):
         return False
+    host_layer.require_cuda_module("scaled_grouped_mm")  # the one launcher of these kernels
     k, n = a.shape[1], b.shape[2]
     # n % 8: the output's rows (bf16 or wider) start at 16-byte multiples, for its TMA stores.
     return (k % _ALIGN == 0 and n % 8 == 0 and b.shape[0] <= MAX_GROUPS
@@ -139,31 +140,9 @@ def scaled_grouped_mm(a, b, a_scale, b_scale, offs, out, bias=None, num_stages=N
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
     plan = forward_plan(M, N, K, G, out.dtype, bias is not None,
                         scale_offsets_fit(a_scale, b_scale), dev, num_stages, cluster, block_n)
-    host = host_layer.cuda_module()
-    if host is not None:  # maps and launch from C++, without ctypes' argument packing
-        host.launch_fp8_blockwise_sm90(a, b, a_scale, b_scale, offs, bias, out, plan)
-        return
-    i32, i64 = native.int32, native.int64
-    # Boxes of 64 rows: a tile's two halves (with a cluster, each CTA loads one into both).
-    # (csrc/host/fp8.cpp's launch_fp8_blockwise_sm90 builds the same maps.)
-    a_map = native.tensor_map(a.data_ptr(), (K, M), (a.stride(0),), (128, 64))
-    a_rows_map = native.tensor_map(a.data_ptr(), (K, M), (a.stride(0),), (128, 16))  # a few rows
-    b_map = native.tensor_map(b.data_ptr(), (K, N, G), (b.stride(2), b.stride(0)), (128, 128, 1))
-    es = out.element_size()
-    out_map = native.tensor_map(out.data_ptr(), (N, M, 1), (out.stride(0) * es, out.stride(0) * es * M),
-                                (128 // es, 64, 1), _OUT_MAP_TYPES[out.dtype])
-    offs = offs.contiguous()
-    bias = bias_in_pairs(bias)
-    native.launch_function(
-        plan.function, plan.grid, _THREADS, plan.shared_bytes,
-        a_map, a_rows_map, b_map, out_map,
-        a_scale, i64(a_scale.stride(0)), i32(a_scale.stride(1)),
-        b_scale, i64(b_scale.stride(0)), i32(b_scale.stride(1)), i32(b_scale.stride(2)),
-        out, i32(_OUT_KINDS[out.dtype]), i64(out.stride(0)),
-        bias if bias is not None else i64(0), i32(_OUT_KINDS[bias.dtype] if bias is not None else -1),
-        i64(bias.stride(0) if bias is not None else 0),
-        offs, i32(M), i32(N), i32(K), i32(G), i32(plan.num_stages),
-    )
+    # (the C++ layer builds the tensor maps, pairs bias, makes offs contiguous)
+    host_layer.require_cuda_module("scaled_grouped_mm").launch_fp8_blockwise_sm90(
+        a, b, a_scale, b_scale, offs, bias, out, plan)
 
 
 WGRAD_RECIPES = ("fp8_blockwise", "fp8_rowwise")  # fp32 scales, per 128 rows or per group
@@ -176,6 +155,7 @@ def wgrad_supported(a_t, d_t, recipe: str, num_groups: int) -> bool:
         return False
     if a_t.device.type != "cuda" or not hopper(a_t.device.index or 0):
         return False
+    host_layer.require_cuda_module("scaled_grouped_mm_wgrad")
     return (num_groups <= MAX_GROUPS
             and all(t.stride(1) == 1 and t.stride(0) % _ALIGN == 0 for t in (a_t, d_t)))
 
@@ -233,28 +213,5 @@ def scaled_grouped_mm_wgrad(a_t, d_t, a_scale, d_scale, offs, recipe: str, out,
     G = out.shape[0]
     dev = a_t.device.index if a_t.device.index is not None else torch.cuda.current_device()
     plan = wgrad_plan(M, P, Q, G, out.dtype, dev, num_stages)
-    host = host_layer.cuda_module()
-    if host is not None:  # maps and launches from C++, without ctypes' argument packing
-        host.launch_fp8_wgrad_sm90(a_t, d_t, a_scale, d_scale, offs, recipe == "fp8_rowwise", out, plan)
-        return
-    i32, i64 = native.int32, native.int64
-    # (csrc/host/fp8.cpp's launch_fp8_wgrad_sm90 builds the same maps.)
-    m = max(M, 1)  # a tensor map needs a nonzero extent; M = 0 loads nothing
-    a_map = native.tensor_map(a_t.data_ptr(), (m, P), (a_t.stride(0),), (128, 128))
-    d_map = native.tensor_map(d_t.data_ptr(), (m, Q), (d_t.stride(0),), (128, 128))
-    # 16 rows past an unaligned group's window (csrc/fp8_grouped_mm.cu: shift_chunk)
-    a_side_map = native.tensor_map(a_t.data_ptr(), (m, P), (a_t.stride(0),), (16, 128), swizzle="NONE")
-    d_side_map = native.tensor_map(d_t.data_ptr(), (m, Q), (d_t.stride(0),), (16, 128), swizzle="NONE")
-    es = out.element_size()
-    out_map = native.tensor_map(out.data_ptr(), (Q, P, G), (out.stride(1) * es, out.stride(0) * es),
-                                (128 // es, 64, 1), _OUT_MAP_TYPES[out.dtype])
-    offs = offs.contiguous()
-    launch_wgrad(
-        "fp8_grouped_mm", "fp8_grouped_mm_wgrad", plan.grid, plan.shared_bytes, offs, M, G,
-        plan.tiles_per_group, 128, plan.claim_steps, 0, dev,
-        a_map, d_map, a_side_map, d_side_map, out_map,
-        a_scale, i64(a_scale.stride(0)), i32(a_scale.stride(1)),
-        d_scale, i64(d_scale.stride(0)), i32(d_scale.stride(1)),
-        i32(_OUT_KINDS[out.dtype]), offs, i32(M), i32(P), i32(Q), i32(G), i32(plan.num_stages),
-        i32(int(recipe == "fp8_rowwise")),
-    )
+    host_layer.require_cuda_module("scaled_grouped_mm_wgrad").launch_fp8_wgrad_sm90(
+        a_t, d_t, a_scale, d_scale, offs, recipe == "fp8_rowwise", out, plan)

@@ -215,26 +215,6 @@ def host_rows_serve(t: Tensor) -> bool:
             and torch.cuda.get_device_capability(t.device) >= (8, 0))
 
 
-def host_layer_missing(name: str) -> RuntimeError:
-    """The error of a row op called on CUDA where the C++ layer that holds its only CUDA kernel
-    is not loaded (one clear error rather than a slower second kernel to keep equal)."""
-    from compiled_moe import host, native
-
-    if not host.enabled():
-        why = "COMPILED_MOE_HOST=0 turned it off"
-    elif host.module() is None:
-        why = "it could not be built: see the warning at import"
-    elif not native.available():
-        why = "cuda-python (NVRTC) is not installed"
-    else:
-        why = "torch has no CUDA support in it"
-    return RuntimeError(
-        f"torch.ops.compiled_moe.{name} runs on CUDA through compiled_moe's C++ layer "
-        f"(csrc/host, kernels of csrc/moe_rows.cu), which is not loaded here ({why}). It needs a "
-        "C++ compiler, ninja and cuda-python: pip install 'compiled-moe[cuda]' and a g++ or "
-        "clang++ on PATH, with COMPILED_MOE_HOST unset")
-
-
 def host_layer():
     """The C++ host layer's module (compiled_moe.host), or None where it is off or not built."""
     from compiled_moe import host

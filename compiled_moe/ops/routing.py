@@ -6,9 +6,9 @@ torch.ops.compiled_moe.moe_unpermute  out[t] = sum_s w[t, s] * y[row_of[t, s]]  
 
 moe_route is an opaque op (``kernel_op``: no autograd, integer outputs). Small routings run one
 Triton program, which compiled graphs launch themselves (``register_traced``); larger ones the
-NVRTC kernels of csrc/moe_route.cu. Where the C++ host layer loads, an eager CUDA call runs
-its C++ kernel instead (csrc/host/ops.cpp's moe_route_cuda: the NVRTC route kernels at every
-size).
+NVRTC kernels of csrc/moe_route.cu, launched by the C++ layer (csrc/host/ops.cpp's
+moe_route_cuda), eager or compiled; on CUDA without the C++ layer it raises, naming what to
+install.
 
 moe_permute, moe_unpermute and moe_unpermute_backward have one CUDA kernel each, the C++
 layer's (csrc/host/rows.cpp launching csrc/moe_rows.cu's gather and combine kernels), which
@@ -19,18 +19,16 @@ layer they raise, naming what to install.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from compiled_moe import reference
+from compiled_moe import host, reference
 from compiled_moe.kernels.configs import ROUTE_ONE_PROGRAM_PAIRS
 from compiled_moe.ops._dispatch import (
     check_same_device,
     check_tensor,
-    host_layer_missing,
     host_row_op,
     host_rows_serve,
     kernel_op,
@@ -41,9 +39,6 @@ from compiled_moe.ops._dispatch import (
 _ops = torch.ops.compiled_moe
 
 _ID_DTYPES = (torch.int32, torch.int64)
-# moe_route's kernels keep per-expert counts in at most 48 KB of shared memory (the default
-# limit): one row per warp in the first, two rows in the second.
-_SHARED_INTS = 12288
 MAX_EXPERTS = 4096
 
 
@@ -75,7 +70,7 @@ def _route_outputs(topk_ids, num_experts, pad_multiple):
 def _register_host_route(module) -> list[str]:
     """The C++ host layer's moe_route CUDA kernel (csrc/host/ops.cpp): checks and the NVRTC
     route kernels launched from C++, at every size (the one-program Triton route stays what
-    compiled graphs launch). Without NVRTC (cuda-python) the Python kernel serves."""
+    compiled graphs launch)."""
     from compiled_moe import native
 
     return module.register_moe_route() if module.has_cuda and native.available() else []
@@ -88,13 +83,9 @@ def _moe_route(topk_ids: Tensor, num_experts: int, pad_multiple: int = 1
     _check_route(topk_ids, num_experts, pad_multiple)
     if _one_program(topk_ids, num_experts) and use_kernel(topk_ids):
         return _route_one_program(topk_ids, num_experts, pad_multiple, traced=False)
-    from compiled_moe import native
-
-    if topk_ids.device.type != "cuda" or not native.available():
+    if topk_ids.device.type != "cuda":
         return reference.moe_route(topk_ids, num_experts, pad_multiple)
-    offs, row_of, source = _route_outputs(topk_ids, num_experts, pad_multiple)
-    _route_cuda(topk_ids.contiguous(), num_experts, pad_multiple, offs, row_of, source)
-    return offs, row_of, source
+    raise host.missing("moe_route")  # (its CUDA kernel is the C++ layer's, registered above)
 
 
 @_moe_route.register_fake
@@ -126,29 +117,6 @@ def _route_one_program(topk_ids, num_experts, pad_multiple, traced):
     _kernels().route_one_program(topk_ids, num_experts, pad_multiple, offs, row_of, source,
                                  traced=traced)
     return offs, row_of, source
-
-
-def _route_cuda(ids: Tensor, num_experts: int, pad_multiple: int, offs: Tensor, row_of: Tensor,
-                source: Tensor) -> None:
-    from compiled_moe import native
-
-    dev = torch.cuda.current_device()
-    suffix = "i32" if ids.dtype == torch.int32 else "i64"
-    n = ids.numel()
-    # Chunks of (warps x 32 x items) pairs, one block each; at most ~128 chunks, so the second
-    # kernel's read of every chunk's histogram stays small.
-    num_warps = max(1, min(32, _SHARED_INTS // num_experts))
-    block = 32 * num_warps
-    items = max(1, math.ceil(n / (block * 128)))
-    chunk = block * items
-    num_chunks = max(1, math.ceil(n / chunk))
-    hist = torch.empty(num_chunks * num_experts, dtype=torch.int32, device=ids.device)
-    i32, i64 = native.int32, native.int64
-    native.launch(native.kernel("moe_route", f"moe_route_rank_{suffix}", dev), num_chunks, block, 4 * num_warps * num_experts,
-                  ids, row_of, hist, i64(n), i32(num_experts), i32(items))
-    native.launch(native.kernel("moe_route", f"moe_route_place_{suffix}", dev), num_chunks, block, 4 * (2 * num_experts + 32),
-                  ids, row_of, hist, offs, source, i64(n), i64(source.shape[0]), i32(num_experts),
-                  i32(num_chunks), i32(chunk), i32(pad_multiple))
 
 
 # ---------------------------------------------------------------------------- permute / unpermute
@@ -196,7 +164,7 @@ def _moe_permute(hidden: Tensor, row_of: Tensor, source: Tensor,
                  scale: Optional[Tensor] = None) -> Tensor:
     _check_permute(hidden, row_of, source, scale)
     if host_rows_serve(hidden):
-        raise host_layer_missing("moe_permute")
+        raise host.missing("moe_permute")
     return reference.moe_permute(hidden, source, row_of.shape[1], scale)
 
 
@@ -232,7 +200,7 @@ def _moe_unpermute(y: Tensor, row_of: Tensor, source: Tensor,
                    weights: Optional[Tensor] = None) -> Tensor:
     _check_unpermute(y, row_of, source, weights)
     if host_rows_serve(y):
-        raise host_layer_missing("moe_unpermute")
+        raise host.missing("moe_unpermute")
     return reference.moe_unpermute(y, row_of, weights)
 
 
@@ -285,7 +253,7 @@ def _moe_unpermute_backward(grad_out: Tensor, y: Tensor, row_of: Tensor, source:
     on CUDA. Not differentiable itself."""
     _check_unpermute_backward(grad_out, y, row_of, source, weights)
     if host_rows_serve(y):
-        raise host_layer_missing("moe_unpermute_backward")
+        raise host.missing("moe_unpermute_backward")
     grad_y = reference.moe_permute(grad_out, source, row_of.shape[1], weights)
     return grad_y, reference.moe_unpermute_dot(grad_out, y, row_of).to(weights.dtype)
 

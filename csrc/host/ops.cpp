@@ -729,6 +729,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                      pybind11::handle plan) {
     compiled_moe::launch_grouped_mm_sm90(a, b, offs, bias, out, compiled_moe::GroupedMmPlan::read(plan));
   });
+  m.def("launch_grouped_mm_wgrad_sm90", [](const at::Tensor& a, const at::Tensor& grad_out, const at::Tensor& offs,
+                                           const at::Tensor& out, pybind11::handle plan, bool accumulate,
+                                           const std::optional<at::Tensor>& accumulate_mask) {
+    const at::Tensor offs_c = offs.contiguous();
+    compiled_moe::launch_grouped_mm_wgrad_sm90(a, grad_out, offs_c, out, compiled_moe::GroupedMmWgradPlan::read(plan),
+                                               accumulate, accumulate_mask ? *accumulate_mask : at::Tensor());
+  });
   // A plan as this layer reads it (csrc/host/plans.h), as {field: value}: the boundary test.
   m.def("read_plan", [](const std::string& name, pybind11::handle plan) -> pybind11::dict {
 #define COMPILED_MOE_READ_NAMED_PLAN(Name, FIELDS) \
