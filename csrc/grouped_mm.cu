@@ -27,7 +27,6 @@
 // 64-row step may run past its end: its loads go through the group's copies of the maps, whose
 // rows end there (write_group_maps, sm90.cuh), so TMA fills those rows with zeros.
 
-#include "grouped_mm_args.cuh"
 #include "sm90.cuh"
 
 constexpr int BLOCK_P = 128, BLOCK_Q = 256, BLOCK_R = 64;  // output tile, rows per step
@@ -257,10 +256,17 @@ __device__ __forceinline__ void grouped_mm_wgrad(
   if (tid == 0) bulk_wait();
 }
 
-#define WGRAD_KERNEL(NAME, F16, CLAIMED)                                                                \
-  extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(const __grid_constant__ GroupedMmWgradArgs p) { \
-    grouped_mm_wgrad<F16, CLAIMED>(p.a_map, p.b_map, p.out_map, p.out_kind, p.accumulate, p.mask, p.offs, p.M, \
-                                   p.P, p.Q, p.G, p.num_stages, p.group_maps, p.order);                      \
+#define WGRAD_KERNEL(NAME, F16, CLAIMED)                                                                      \
+  extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                              \
+      const __grid_constant__ TensorMap a_map,   /* a (M, P): bytes {2P, M}, box {128, 64} */                 \
+      const __grid_constant__ TensorMap b_map,   /* b (M, Q): bytes {2Q, M}, box {128, 64} */                 \
+      const __grid_constant__ TensorMap out_map, /* out (G, P, Q): {Q, P, G}, box {128 bytes, 64, 1} */       \
+      int out_kind, int accumulate, const unsigned char* __restrict__ mask, const int* __restrict__ offs,     \
+      int M, int P, int Q, int G, int num_stages,                                                             \
+      const TensorMap* __restrict__ group_maps, /* wgrad_tile_order's: a_map, b_map a group (G x 2) */         \
+      int* __restrict__ order /* wgrad_tile_order's */) {                                                     \
+    grouped_mm_wgrad<F16, CLAIMED>(a_map, b_map, out_map, out_kind, accumulate, mask, offs, M, P, Q, G,       \
+                                   num_stages, group_maps, order);                                            \
   }
 
 WGRAD_KERNEL(grouped_mm_wgrad_bf16, false, false)
@@ -272,9 +278,11 @@ WGRAD_KERNEL(grouped_mm_wgrad_f16_claimed, true, true)
 // their per-group maps (write_group_maps, rows in dimension row_dim): one block, launched
 // before them.
 extern "C" __global__ void __launch_bounds__(ORDER_THREADS, 1) wgrad_tile_order(
-    const __grid_constant__ WgradTileOrderArgs p) {
-  wgrad_tile_order_body(p.offs, p.M, p.G, p.tiles_per_group, p.rows_per_step, p.claim_steps, p.grid, p.order,
-                        p.a_map, p.b_map, p.group_maps, p.row_dim);
+    const int* __restrict__ offs, int M, int G, int tiles_per_group, int rows_per_step, int claim_steps,
+    int grid, int* __restrict__ order, const __grid_constant__ TensorMap a_map,
+    const __grid_constant__ TensorMap b_map, TensorMap* __restrict__ group_maps, int row_dim) {
+  wgrad_tile_order_body(offs, M, G, tiles_per_group, rows_per_step, claim_steps, grid, order, a_map, b_map,
+                        group_maps, row_dim);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -555,12 +563,19 @@ __device__ __forceinline__ void grouped_mm_fwd(
   }
 }
 
-#define FWD_KERNEL(NAME, F16, B_NMAJOR, SKIP, SPLIT)                                                        \
-  extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(const __grid_constant__ GroupedMmArgs p) {  \
-    grouped_mm_fwd<F16, B_NMAJOR, SKIP, SPLIT>(p.a_map, p.a_rows_map, p.b_map, p.out_map, p.out, p.out_kind, \
-                                               p.out_stride_m, p.bias, p.bias_kind, p.bias_stride_g, p.offs,  \
-                                               p.M, p.N, p.K, p.G, p.num_stages, p.partial, p.max_splits,     \
-                                               p.force_splits);                                              \
+#define FWD_KERNEL(NAME, F16, B_NMAJOR, SKIP, SPLIT)                                                      \
+  extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                          \
+      const __grid_constant__ TensorMap a_map, /* a (M, K): bytes {2K, M}, box {128, 128} (SKIP: 64) */    \
+      const __grid_constant__ TensorMap a_rows_map, /* SKIP: the same, box {128, 16} */                    \
+      const __grid_constant__ TensorMap b_map, /* K-major: bytes {2K, N, G}, box {128, 256, 1};             \
+                                                  N-major: bytes {2N, K, G}, box {128, 64, 1} */           \
+      const __grid_constant__ TensorMap out_map, /* out (M, N): {N, M, 1}, box {64, 64, 1} */              \
+      void* __restrict__ out, int out_kind, long long out_stride_m, const void* __restrict__ bias,         \
+      int bias_kind, long long bias_stride_g, const int* __restrict__ offs, int M, int N, int K, int G,    \
+      int num_stages, float* __restrict__ partial, int max_splits, int force_splits) {                     \
+    grouped_mm_fwd<F16, B_NMAJOR, SKIP, SPLIT>(a_map, a_rows_map, b_map, out_map, out, out_kind,          \
+                                               out_stride_m, bias, bias_kind, bias_stride_g, offs, M, N, K, \
+                                               G, num_stages, partial, max_splits, force_splits);          \
   }
 
 FWD_KERNEL(grouped_mm_bf16, false, false, false, false)
@@ -580,11 +595,9 @@ FWD_KERNEL(grouped_mm_f16_nmajor_skip_split, true, true, true, true)
 // out[r, :] = the sum over the k ranges of partial[s, r, :] (split K, above), for the rows of the
 // groups (rows past the last group were zeroed by the GEMM kernel); 4 columns a thread. Nothing
 // to do where the GEMM kernel chose one range (it stored out itself).
-extern "C" __global__ void grouped_mm_split_sum(const __grid_constant__ GroupedMmSplitSumArgs p) {
-  const float* __restrict__ partial = p.partial;
-  void* __restrict__ out = p.out;
-  const int out_kind = p.out_kind, M = p.M, N = p.N, max_splits = p.max_splits;
-  const long long out_stride_m = p.out_stride_m;
+extern "C" __global__ void grouped_mm_split_sum(const float* __restrict__ partial, void* __restrict__ out,
+                                                int out_kind, long long out_stride_m,
+                                                int M, int N, int max_splits) {
   const int* tail = (const int*)(partial + (long long)max_splits * M * N);
   const int splits = tail[0], rows = tail[1];  // stored by the GEMM kernel
   if (splits <= 1) return;

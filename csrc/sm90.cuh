@@ -4,11 +4,12 @@
 #pragma once
 
 #include "sm90_launch.cuh"
-#include "tensor_map.cuh"
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
+// The driver's CUtensorMap: 128 opaque bytes, 64-byte aligned, passed by value.
+struct __align__(64) TensorMap { u64 opaque[16]; };
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 

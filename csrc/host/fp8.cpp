@@ -473,20 +473,9 @@ void launch_fp8_wgrad_sm90(const at::Tensor& a_t, const at::Tensor& d_t, const a
           kind = out_kind(out.scalar_type()), stages = plan.num_stages, rowwise = rowwise_recipe,
           a_scale_1 = static_cast<int32_t>(a_scale.stride(1)), d_scale_1 = static_cast<int32_t>(d_scale.stride(1));
   int64_t a_scale_0 = a_scale.stride(0), d_scale_0 = d_scale.stride(0);
-  WgradTileOrderArgs order_args{};
-  order_args.a_map = as_arg(a_map);
-  order_args.b_map = as_arg(d_map);
-  order_args.offs = static_cast<const int*>(offs_p);
-  order_args.order = static_cast<int*>(order_p);
-  order_args.group_maps = static_cast<TensorMap*>(maps_p);
-  order_args.M = m;
-  order_args.G = g;
-  order_args.tiles_per_group = tiles;
-  order_args.rows_per_step = rows_per_step;
-  order_args.claim_steps = claim_steps;
-  order_args.grid = grid;
-  order_args.row_dim = row_dim;
-  launch_args(device, plan.tile_order, 1, ORDER_THREADS, ORDER_SCRATCH_BYTES, order_args);
+  void* order_args[] = {&offs_p, &m, &g, &tiles, &rows_per_step, &claim_steps, &grid, &order_p, &a_map, &d_map,
+                        &maps_p, &row_dim};
+  launch(device, plan.tile_order, 1, ORDER_THREADS, ORDER_SCRATCH_BYTES, order_args);
   void* args[] = {&a_map, &d_map,     &a_side_map, &d_side_map, &out_map, &a_scale_p, &a_scale_0,
                   &a_scale_1, &d_scale_p, &d_scale_0, &d_scale_1, &kind, &offs_p, &m, &p, &q, &g, &stages,
                   &rowwise, &maps_p, &order_p};

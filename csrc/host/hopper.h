@@ -6,10 +6,8 @@
 #include <torch/extension.h>
 
 #include <cstdint>
-#include <cstring>
 #include <initializer_list>
 
-#include "../grouped_mm_args.cuh"
 #include "../sm90_launch.cuh"
 #include "cuda_driver.h"
 
@@ -33,23 +31,6 @@ inline CUtensorMap map2d(uint64_t address, uint64_t cols_bytes, uint64_t rows, u
                          CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
   return tensor_map({address, {cols_bytes, rows, 0}, {row_stride_bytes, 0}, {box_cols, box_rows, 0}, 2,
                      CU_TENSOR_MAP_DATA_TYPE_UINT8, swizzle});
-}
-
-// An encoded map as the kernels' argument structs carry it (csrc/tensor_map.cuh).
-inline TensorMap as_arg(const CUtensorMap& map) {
-  // (CUDA 13's cuda.h aligns CUtensorMap to 128 bytes; the kernels need 64.)
-  static_assert(sizeof(CUtensorMap) == sizeof(TensorMap), "csrc/tensor_map.cuh's TensorMap is a CUtensorMap");
-  TensorMap arg;
-  std::memcpy(&arg, &map, sizeof arg);
-  return arg;
-}
-
-// Launch a kernel whose one parameter is an argument struct (csrc/*_args.cuh).
-template <typename Args>
-inline void launch_args(int device, CUfunction function, unsigned grid, unsigned block, unsigned shared_bytes,
-                        const Args& args) {
-  void* params[] = {const_cast<Args*>(&args)};
-  launch(device, function, grid, block, shared_bytes, params);
 }
 
 // TMA: base addresses (and strides, which the ops' supported() checks) of 16-byte multiples.

@@ -248,32 +248,23 @@ void launch_grouped_mm_sm90(const at::Tensor& a, const at::Tensor& b, const at::
   if (plan.max_splits > 1) partial = at::empty({plan.max_splits * M * N + 2}, a.options().dtype(at::kFloat));
   const at::Tensor bias_t = bias_in_pairs(bias);
 
+  void* out_ptr = out.data_ptr();
+  int32_t kind = out_kind(out.scalar_type());
+  int64_t out_stride = out.stride(0);
+  void* bias_ptr = bias_t.defined() ? bias_t.data_ptr() : nullptr;
+  int32_t bias_kind = bias_t.defined() ? out_kind(bias_t.scalar_type()) : -1;
+  int64_t bias_stride = bias_t.defined() ? bias_t.stride(0) : 0;
   const at::Tensor offs_c = offs.contiguous();  // the kernel reads offs[g] at offs + g
-  GroupedMmArgs args{};
-  args.a_map = as_arg(a_map);
-  args.a_rows_map = as_arg(a_rows_map);
-  args.b_map = as_arg(b_map);
-  args.out_map = as_arg(out_map);
-  args.out = out.data_ptr();
-  args.bias = bias_t.defined() ? bias_t.data_ptr() : nullptr;
-  args.offs = static_cast<const int*>(offs_c.data_ptr());
-  args.partial = partial.defined() ? partial.data_ptr<float>() : nullptr;
-  args.out_stride_m = out.stride(0);
-  args.bias_stride_g = bias_t.defined() ? bias_t.stride(0) : 0;
-  args.out_kind = out_kind(out.scalar_type());
-  args.bias_kind = bias_t.defined() ? out_kind(bias_t.scalar_type()) : -1;
-  args.M = static_cast<int>(M);
-  args.N = static_cast<int>(N);
-  args.K = static_cast<int>(K);
-  args.G = static_cast<int>(G);
-  args.num_stages = plan.num_stages;
-  args.max_splits = plan.max_splits;
-  args.force_splits = plan.forced_splits;
-  launch_args(device, plan.function, plan.grid, SM90_THREADS, plan.shared_bytes, args);
+  void* offs_ptr = offs_c.data_ptr();
+  int32_t m = M, n = N, k = K, g = G, stages = plan.num_stages, splits = plan.max_splits,
+          forced = plan.forced_splits;
+  void* partial_ptr = partial.defined() ? partial.data_ptr() : nullptr;
+  void* args[] = {&a_map, &a_rows_map, &b_map, &out_map, &out_ptr, &kind, &out_stride, &bias_ptr,
+                  &bias_kind, &bias_stride, &offs_ptr, &m, &n, &k, &g, &stages, &partial_ptr, &splits, &forced};
+  launch(device, plan.function, plan.grid, SM90_THREADS, plan.shared_bytes, args);
   if (partial.defined()) {
-    GroupedMmSplitSumArgs sum{args.partial, args.out, args.out_stride_m, args.out_kind, args.M, args.N,
-                              args.max_splits};
-    launch_args(device, plan.split_sum, plan.split_sum_grid, 256, 0, sum);
+    void* sum_args[] = {&partial_ptr, &out_ptr, &kind, &out_stride, &m, &n, &splits};
+    launch(device, plan.split_sum, plan.split_sum_grid, 256, 0, sum_args);
   }
 }
 
@@ -351,38 +342,18 @@ void launch_grouped_mm_wgrad_sm90(const at::Tensor& a, const at::Tensor& grad_ou
   at::Tensor order = at::empty({2}, a.options().dtype(at::kInt));  // the choice, the claims' counter
   at::Tensor maps = at::empty({G * 2 * 128}, a.options().dtype(at::kByte));
   const at::Tensor offs_c = offs.contiguous();
-  WgradTileOrderArgs order_args{};
-  order_args.a_map = as_arg(a_map);
-  order_args.b_map = as_arg(g_map);
-  order_args.offs = static_cast<const int*>(offs_c.data_ptr());
-  order_args.order = order.data_ptr<int>();
-  order_args.group_maps = reinterpret_cast<TensorMap*>(maps.data_ptr());
-  order_args.M = static_cast<int>(M);
-  order_args.G = static_cast<int>(G);
-  order_args.tiles_per_group = plan.tiles_per_group;
-  order_args.rows_per_step = 64;
-  order_args.claim_steps = 0;
-  order_args.grid = plan.grid;
-  order_args.row_dim = 1;
-  launch_args(device, plan.tile_order, 1, ORDER_THREADS, ORDER_SCRATCH_BYTES, order_args);
-  GroupedMmWgradArgs args{};
-  args.a_map = order_args.a_map;
-  args.b_map = order_args.b_map;
-  args.out_map = as_arg(out_map);
-  // null: every group accumulates
-  args.mask = accumulate_mask.defined() ? static_cast<const unsigned char*>(accumulate_mask.data_ptr()) : nullptr;
-  args.offs = order_args.offs;
-  args.group_maps = order_args.group_maps;
-  args.order = order_args.order;
-  args.out_kind = out_kind(out.scalar_type());
-  args.accumulate = accumulate;
-  args.M = static_cast<int>(M);
-  args.P = static_cast<int>(P);
-  args.Q = static_cast<int>(Q);
-  args.G = static_cast<int>(G);
-  args.num_stages = plan.num_stages;
-  launch_args(device, plan.function, plan.grid, SM90_THREADS, plan.shared_bytes, args);
-  launch_args(device, plan.claimed, plan.grid, SM90_THREADS, plan.shared_bytes, args);
+  void *offs_p = offs_c.data_ptr(), *order_p = order.data_ptr(), *maps_p = maps.data_ptr();
+  int32_t m = M, p = P, q = Q, g = G, tiles = plan.tiles_per_group, rows_per_step = 64, claim_steps = 0,
+          grid = plan.grid, row_dim = 1, kind = out_kind(out.scalar_type()), add = accumulate,
+          stages = plan.num_stages;
+  void* mask = accumulate_mask.defined() ? accumulate_mask.data_ptr() : nullptr;  // null: every group
+  void* order_args[] = {&offs_p, &m, &g, &tiles, &rows_per_step, &claim_steps, &grid, &order_p, &a_map, &g_map,
+                        &maps_p, &row_dim};
+  launch(device, plan.tile_order, 1, ORDER_THREADS, ORDER_SCRATCH_BYTES, order_args);
+  void* args[] = {&a_map, &g_map, &out_map, &kind, &add, &mask, &offs_p, &m, &p, &q, &g, &stages,
+                  &maps_p, &order_p};
+  launch(device, plan.function, plan.grid, SM90_THREADS, plan.shared_bytes, args);
+  launch(device, plan.claimed, plan.grid, SM90_THREADS, plan.shared_bytes, args);
 }
 
 at::Tensor grouped_mm_wgrad_cuda(const at::Tensor& a, const at::Tensor& grad_out, const at::Tensor& offs,
@@ -764,23 +735,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const at::Tensor offs_c = offs.contiguous();
     compiled_moe::launch_grouped_mm_wgrad_sm90(a, grad_out, offs_c, out, compiled_moe::GroupedMmWgradPlan::read(plan),
                                                accumulate, accumulate_mask ? *accumulate_mask : at::Tensor());
-  });
-  // wgrad_tile_order's choice alone (no group maps), for its test.
-  m.def("launch_wgrad_tile_order", [](int64_t function, const at::Tensor& offs, int64_t M, int64_t tiles_per_group,
-                                      int64_t rows_per_step, int64_t claim_steps, int64_t grid, const at::Tensor& order) {
-    WgradTileOrderArgs args{};
-    args.offs = static_cast<const int*>(offs.data_ptr());
-    args.order = order.data_ptr<int>();
-    args.M = static_cast<int>(M);
-    args.G = static_cast<int>(offs.size(0));
-    args.tiles_per_group = static_cast<int>(tiles_per_group);
-    args.rows_per_step = static_cast<int>(rows_per_step);
-    args.claim_steps = static_cast<int>(claim_steps);
-    args.grid = static_cast<int>(grid);
-    args.row_dim = 1;
-    compiled_moe::ensure_context(offs.device().index());
-    compiled_moe::launch_args(offs.device().index(), reinterpret_cast<CUfunction>(function), 1, ORDER_THREADS,
-                              ORDER_SCRATCH_BYTES, args);
   });
   // A plan as this layer reads it (csrc/host/plans.h), as {field: value}: the boundary test.
   m.def("read_plan", [](const std::string& name, pybind11::handle plan) -> pybind11::dict {
