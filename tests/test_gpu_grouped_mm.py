@@ -451,12 +451,10 @@ def test_wgrad_tile_order():
     order would leave a CTA 6% past the mean (a circular difference array over the CTAs), or
     where tiles are long (claim_steps: the FP8 weight gradient's): its choice against the loads
     summed tile by tile, and the claims' counter zeroed."""
-    from compiled_moe import native
+    from compiled_moe import host, native
     from compiled_moe.kernels.configs import FP8_WGRAD_CLAIM_STEPS
-    from compiled_moe.kernels.grouped_mm_sm90 import _map
-    order_threads, order_bytes = (native.launch_constants()[k] for k in ("ORDER_THREADS", "ORDER_SCRATCH_BYTES"))
-    kernel = native.kernel("grouped_mm", "wgrad_tile_order", torch.cuda.current_device())
-    maps = _map(torch.empty(64, 64, device=DEV, dtype=torch.bfloat16))  # unread: no group maps
+    dev = torch.cuda.current_device()
+    kernel = native.function_handle(native.kernel("grouped_mm", "wgrad_tile_order", dev), dev)
     seen = set()
     for M, G, seed, tiles_per_group, rows_per_step, grid in [
         (32768, 128, 0, 48, 64, 132),     # Qwen3 fc2's bf16 weight gradient, skewed
@@ -478,10 +476,8 @@ def test_wgrad_tile_order():
         counts = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
         for claim_steps in (0, 4, FP8_WGRAD_CLAIM_STEPS):
             order = torch.full((2,), -1, dtype=torch.int32, device=DEV)
-            native.launch_driver(kernel, 1, order_threads, order_bytes, offs, native.int32(M), native.int32(G),
-                                 native.int32(tiles_per_group), native.int32(rows_per_step),
-                                 native.int32(claim_steps), native.int32(grid), order, maps, maps,
-                                 native.int64(0), native.int32(1))
+            host.cuda_module().launch_wgrad_tile_order(kernel, offs, M, tiles_per_group, rows_per_step,
+                                                       claim_steps, grid, order)
             want = claims_tiles(counts, tiles_per_group, rows_per_step, claim_steps, grid)
             assert order.tolist() == [int(want), 0], (M, G, seed, tiles_per_group, claim_steps, grid)
             seen.add((claim_steps > 0, want))

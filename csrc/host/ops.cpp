@@ -736,6 +736,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     compiled_moe::launch_grouped_mm_wgrad_sm90(a, grad_out, offs_c, out, compiled_moe::GroupedMmWgradPlan::read(plan),
                                                accumulate, accumulate_mask ? *accumulate_mask : at::Tensor());
   });
+  // wgrad_tile_order's choice alone (no group maps), for its test.
+  m.def("launch_wgrad_tile_order", [](int64_t function, const at::Tensor& offs, int64_t M, int64_t tiles_per_group,
+                                      int64_t rows_per_step, int64_t claim_steps, int64_t grid, const at::Tensor& order) {
+    CUtensorMap unread{};  // no group maps are written
+    void *offs_p = offs.data_ptr(), *order_p = order.data_ptr(), *maps_p = nullptr;
+    int32_t m = static_cast<int32_t>(M), g = static_cast<int32_t>(offs.size(0)), tiles = static_cast<int32_t>(tiles_per_group),
+            rows = static_cast<int32_t>(rows_per_step), claims = static_cast<int32_t>(claim_steps),
+            blocks = static_cast<int32_t>(grid), row_dim = 1;
+    void* args[] = {&offs_p, &m, &g, &tiles, &rows, &claims, &blocks, &order_p, &unread, &unread, &maps_p, &row_dim};
+    compiled_moe::ensure_context(offs.device().index());
+    compiled_moe::launch(offs.device().index(), reinterpret_cast<CUfunction>(function), 1, ORDER_THREADS,
+                         ORDER_SCRATCH_BYTES, args);
+  });
   // A plan as this layer reads it (csrc/host/plans.h), as {field: value}: the boundary test.
   m.def("read_plan", [](const std::string& name, pybind11::handle plan) -> pybind11::dict {
 #define COMPILED_MOE_READ_NAMED_PLAN(Name, FIELDS) \
