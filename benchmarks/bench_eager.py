@@ -20,8 +20,8 @@ Same process, same inputs. Tables:
          "grouped_mm" and "eager", batch 1 and 8. (generate_static, asked for by name: the
          same with a static cache, where transformers compiles the decoding step.)
 
-Run it once with the C++ host layer (the default on a CUDA build of torch) and once with
-COMPILED_MOE_HOST=0 for the Python path:
+The C++ host layer (on by default with a CUDA build of torch) launches the ops' CUDA kernels;
+on a GPU without it they raise.
 
     python benchmarks/bench_eager.py [--tokens 1 4 16 64 512] [--json out.json]
 """

@@ -21,6 +21,11 @@ is traced, so the backward comes from our ops' autograd formulas too:
   one kernel each way that reads x once (inductor's fusion of the same ops, forward and
   backward, took 0.27 ms per Qwen3 step against 0.19 ms). It computes in fp32 and rounds
   once, as inductor's fused kernel does.
+- torchtitan's routing (a stable ``argsort`` of the flattened ids and one-hot counts) ->
+  ``moe_route``; its score-weighted scatter-add combine (``deterministic_scatter_add`` too) ->
+  ``moe_unpermute``; its experts, ``grouped_mm(silu(grouped_mm(x, w1^T)) *
+  grouped_mm(x, w3^T), w2^T)`` with w1 and w3 two weights -> one ``moe_mlp(..., w3=w3)`` that
+  reads both as they are (and the gather before it through the routing map).
 
 Every match is checked on the nodes' example values (shapes, dtypes) without adding guards;
 anything that does not match is left alone. The rewrite is idempotent.
@@ -28,12 +33,15 @@ anything that does not match is left alone. The rewrite is idempotent.
 
 from __future__ import annotations
 
+import logging
 import operator
 from typing import Any, Callable
 
 import torch
 from torch.fx import Graph, Node
 from torch.utils import _pytree as pytree
+
+log = logging.getLogger(__name__)
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -875,60 +883,87 @@ def _gathered_rows(rows: Node):
     return src, dtype
 
 
+def _gated_grouped_mm(mul: Node, silu: set):
+    """(act, gate, up) when mul is silu(gate) * up (either order) of two of compiled_moe's
+    grouped GEMMs, else None."""
+    if not _is_call(mul, {operator.mul, torch.mul}, ("mul",)) or len(mul.args) != 2 or mul.kwargs:
+        return None
+    for act, up in (mul.args, mul.args[::-1]):
+        if (_is_call(act, silu, ("silu",)) and len(act.args) == 1 and not act.kwargs.get("inplace")
+                and _plain_grouped_mm(act.args[0]) is not None and _plain_grouped_mm(up) is not None):
+            return act, act.args[0], up
+    return None
+
+
+def _why_not_one_mlp(mul: Node, act: Node, gate: Node, up: Node):
+    """Why silu(gate) * up of two grouped GEMMs cannot become one moe_mlp, or None (then
+    (fc2, rows, weights, offs) are read off the nodes by the caller)."""
+    (rows, b1, offs), (rows_up, b3, offs_up) = _plain_grouped_mm(gate), _plain_grouped_mm(up)
+    if offs_up is not offs:
+        return "the gate and up GEMMs run on different offsets"
+    if not _same_rows(rows, rows_up):
+        return "the gate and up GEMMs read different rows"
+    if len(gate.users) != 1 or len(act.users) != 1 or len(up.users) != 1 or len(mul.users) != 1:
+        return "a GEMM's output or the activation is read elsewhere too"
+    fc2 = next(iter(mul.users))
+    fc2_args = _plain_grouped_mm(fc2, offs)
+    if fc2_args is None or fc2_args[0] is not mul:
+        return "no grouped GEMM on the same offsets reads the activation (no FC2)"
+    rv, b1v, b3v, b2v = (_tensor(n) for n in (rows, b1, b3, fc2_args[1]))
+    if b1v.shape != b3v.shape or not (rv.dtype == b1v.dtype == b3v.dtype == b2v.dtype):
+        return "the gate and up weights differ in shape, or the operands in dtype"
+    if rv.dtype not in _FLOATS:
+        return f"{rv.dtype} operands"
+    if not (_known(b2v.shape[1] == b1v.shape[2]) and _known(b2v.shape[2] == rv.shape[1])):
+        return "FC2's weight does not fit the activation and the rows"
+    return None
+
+
 def rewrite_gated_grouped_mm(graph: Graph) -> int:
     """Replace ``grouped_mm(silu(grouped_mm(x, w1^T)) * grouped_mm(x, w3^T), w2^T)`` on one
     offs (torchtitan's experts: the gate and up projections as two weights) with moe_mlp on
     w1 and w3 as they are: one FC1 kernel reads both, the activation in its epilogue. Rows
-    gathered by moe_permute just before are read through the routing map instead. Returns
-    the count."""
+    gathered by moe_permute just before are read through the routing map instead. A gated
+    product of two grouped GEMMs left as written is logged with the reason. Returns the
+    count."""
     silu = _silu_targets()
     count = 0
-    for fc2 in list(graph.nodes):
-        fc2_args = _plain_grouped_mm(fc2)
-        if fc2_args is None:
+    for mul in list(graph.nodes):
+        if getattr(mul, "_erased", False):
             continue
-        mul, b2, offs = fc2_args
-        if not _is_call(mul, {operator.mul, torch.mul}, ("mul",)) or len(mul.args) != 2 \
-                or mul.kwargs or len(mul.users) != 1:
+        found = _gated_grouped_mm(mul, silu)
+        if found is None:
             continue
-        for act, up in (mul.args, mul.args[::-1]):
-            if not (_is_call(act, silu, ("silu",)) and len(act.args) == 1
-                    and not act.kwargs.get("inplace") and len(act.users) == 1):
-                continue
-            gate = act.args[0]
-            gate_args, up_args = _plain_grouped_mm(gate, offs), _plain_grouped_mm(up, offs)
-            if gate_args is None or up_args is None or len(gate.users) != 1 or len(up.users) != 1:
-                continue
-            (rows, b1, _), (rows_up, b3, _) = gate_args, up_args
-            rv, b1v, b3v, b2v = (_tensor(n) for n in (rows, b1, b3, b2))
-            if not _same_rows(rows, rows_up) or b1v.shape != b3v.shape or not (
-                    rv.dtype == b1v.dtype == b3v.dtype == b2v.dtype) or rv.dtype not in _FLOATS:
-                continue
-            if not (_known(b2v.shape[1] == b1v.shape[2]) and _known(b2v.shape[2] == rv.shape[1])):
-                continue
-            weights = [_emit(graph, fc2, torch.transpose, b, -2, -1) for b in (b1, b2, b3)]
-            gathered = _gathered_rows(rows)
-            if gathered is not None:
-                permute, dtype = gathered
-                hidden, row_of, source = permute.args
-                for u in [u for u in permute.users if _is_dtype_reference(u, permute)]:
-                    u.args = (u.args[0], hidden)  # (moe_permute keeps hidden's dtype)
-                if dtype is not None:
-                    hidden = _emit(graph, fc2, torch.Tensor.to, hidden, dtype)
-                x, route = hidden, (source, row_of)
-            else:
-                x, route = rows, (None, None)
-            from compiled_moe.reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT
+        act, gate, up = found
+        why = _why_not_one_mlp(mul, act, gate, up)
+        if why is not None:
+            log.debug("silu(grouped_mm) * grouped_mm at %s left as written: %s", mul.name, why)
+            continue
+        fc2 = next(iter(mul.users))
+        (rows, b1, offs), (rows_up, b3, _) = _plain_grouped_mm(gate), _plain_grouped_mm(up)
+        b2 = fc2.args[1]
+        weights = [_emit(graph, fc2, torch.transpose, b, -2, -1) for b in (b1, b2, b3)]
+        gathered = _gathered_rows(rows)
+        if gathered is not None:
+            permute, dtype = gathered
+            hidden, row_of, source = permute.args
+            for u in [u for u in permute.users if _is_dtype_reference(u, permute)]:
+                u.args = (u.args[0], hidden)  # (moe_permute keeps hidden's dtype)
+            if dtype is not None:
+                hidden = _emit(graph, fc2, torch.Tensor.to, hidden, dtype)
+            x, route = hidden, (source, row_of)
+        else:
+            x, route = rows, (None, None)
+        from compiled_moe.reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT
 
-            mlp = _emit(graph, fc2, torch.ops.compiled_moe.moe_mlp.default, x, offs, weights[0],
-                        weights[1], "swiglu", "stacked", None, None, None, *route,
-                        GPT_OSS_ALPHA, GPT_OSS_LIMIT, True, weights[2])
-            _replace(graph, fc2, _emit(graph, fc2, operator.getitem, mlp, 0))
-            dead = [mul, act, gate, up, rows, rows_up, b1, b3]
-            dead += [_cast_source(n)[0] for n in (rows, rows_up, b1, b3)]
-            _erase_unused(graph, [n for n in dict.fromkeys(dead) if not getattr(n, "_erased", False)])
-            count += 1
-            break
+        mlp = _emit(graph, fc2, torch.ops.compiled_moe.moe_mlp.default, x, offs, weights[0],
+                    weights[1], "swiglu", "stacked", None, None, None, *route,
+                    GPT_OSS_ALPHA, GPT_OSS_LIMIT, True, weights[2])
+        _replace(graph, fc2, _emit(graph, fc2, operator.getitem, mlp, 0))
+        dead = [mul, act, gate, up, rows, rows_up, b1, b3]
+        dead += [_cast_source(n)[0] for n in (rows, rows_up, b1, b3)]
+        _erase_unused(graph, [n for n in dict.fromkeys(dead) if not getattr(n, "_erased", False)])
+        count += 1
     return count
 
 

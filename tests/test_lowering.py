@@ -6,6 +6,7 @@ AOTInductor package and under cpp_wrapper."""
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 import warnings
@@ -177,8 +178,9 @@ def loop_moe_mlp_sorted(x, w13, w2, offs):
     return out
 
 
-def test_gate_and_up_grouped_mm_forms_left_alone():
-    """Different rows, different offsets, a gate read elsewhere too: each stays as written."""
+def test_gate_and_up_grouped_mm_forms_left_alone(caplog):
+    """Different rows, different offsets, a gate read elsewhere too: each stays as written,
+    and the log says why."""
     x, w1, w2, w3, offs = _two_weight_experts()
     y = torch.randn(x.shape).bfloat16()
     offs2 = offs.clone()
@@ -188,19 +190,23 @@ def test_gate_and_up_grouped_mm_forms_left_alone():
         return torch._grouped_mm(a, w.transpose(-2, -1), offs=o)
 
     silu = torch.nn.functional.silu
+    end = int(offs[-1])  # (torch leaves the rows past the last group unwritten)
 
     def forms(x, y, w1, w2, w3, offs, offs2):
         other_rows = gmm(silu(gmm(x, w1, offs)) * gmm(y, w3, offs), w2, offs)
         other_offs = gmm(silu(gmm(x, w1, offs)) * gmm(x, w3, offs2), w2, offs)
         gate = gmm(x, w1, offs)
-        gate_read_twice = gmm(silu(gate) * gmm(x, w3, offs), w2, offs) + gate.sum()
+        gate_read_twice = gmm(silu(gate) * gmm(x, w3, offs), w2, offs) + gate[:end].sum()
         return other_rows, other_offs, gate_read_twice
 
     cap = Capture()
-    outs = torch.compile(forms, backend=cap, fullgraph=True)(x, y, w1, w2, w3, offs, offs2)
+    with caplog.at_level(logging.DEBUG, logger="compiled_moe.lowering"):
+        outs = torch.compile(forms, backend=cap, fullgraph=True)(x, y, w1, w2, w3, offs, offs2)
     assert cap.counts[-1]["gated_activation"] == 0
+    reasons = "\n".join(r.getMessage() for r in caplog.records)
+    for why in ("read different rows", "different offsets", "read elsewhere too"):
+        assert why in reasons, reasons
     assert CM.moe_mlp.default not in cap.targets()
-    end = int(offs[-1])  # (torch leaves the rows past the last group unwritten)
     for got, want in zip(outs, forms(x, y, w1, w2, w3, offs, offs2)):
         torch.testing.assert_close(got[:end], want[:end], rtol=2e-2, atol=2e-2)
 
