@@ -20,13 +20,11 @@ from compiled_moe.kernels.configs import (grouped_mm_sm90_config, grouped_mm_sm9
 from compiled_moe.kernels.grouped_mm import _num_sms
 
 _LAUNCH = native.launch_constants()  # csrc/sm90_launch.cuh
-_THREADS = _LAUNCH["SM90_THREADS"]
 _BOX_BYTES = 64 * 128  # one 64-row x 64-element box of a 2-byte operand
 _STAGE_BYTES = (2 + 4) * _BOX_BYTES  # 128 columns of a, 256 of b
 _OUT_STAGE_BYTES = 2 * 64 * 256 * 2  # the two consumers' output tiles, staged for TMA stores
 _MAX_STAGES = 3  # what fits a Hopper block's 227 KB beside the output staging
 _OUT_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-_OUT_MAP_TYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "FLOAT16", torch.float32: "FLOAT32"}
 _WGRAD_KERNELS = {torch.bfloat16: "grouped_mm_wgrad_bf16", torch.float16: "grouped_mm_wgrad_f16"}
 TILE_QUEUE_BYTES = _LAUNCH["TILE_QUEUE_BYTES"]
 _FWD_KERNELS = {torch.bfloat16: "grouped_mm_bf16", torch.float16: "grouped_mm_f16"}
@@ -99,7 +97,7 @@ def grouped_mm_wgrad(a, grad_out, offs, out, accumulate: bool, accumulate_mask,
     ``aligned``; accumulate needs fp32 out."""
     if out.stride(2) != 1:  # a (G, N, K) buffer seen as (G, K, N): out^T[g] = grad_out_g^T @ a_g
         a, grad_out, out = grad_out, a, out.transpose(1, 2)
-    M, P = a.shape
+    P = a.shape[1]
     Q = grad_out.shape[1]
     G = out.shape[0]
     if P == 0 or Q == 0 or G == 0:
@@ -146,14 +144,6 @@ def host_wgrad_plan(a, grad_out, out):
     if not wgrad_supported(a, grad_out, out.dtype, out):
         return None
     return wgrad_plan(a.shape[1], grad_out.shape[1], out.shape[0], a.dtype, a.device.index)
-
-
-def bias_in_pairs(bias):
-    """bias, or a contiguous copy where its rows do not start at even elements: the kernels
-    copy each thread's two bias columns as one 4- or 8-byte piece."""
-    if bias is not None and (bias.stride(0) % 2 or bias.data_ptr() % (2 * bias.element_size())):
-        return bias.clone(memory_format=torch.contiguous_format)
-    return bias
 
 
 @functools.lru_cache(maxsize=4096)

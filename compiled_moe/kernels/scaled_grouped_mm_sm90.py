@@ -22,7 +22,6 @@ from compiled_moe.kernels.grouped_mm_sm90 import TILE_QUEUE_BYTES
 _THREADS = native.launch_constants()["SM90_THREADS"]  # csrc/sm90_launch.cuh
 MAX_GROUPS = 2048  # the tile list lives in shared memory beside the ring
 _OUT_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-_OUT_MAP_TYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "FLOAT16", torch.float32: "FLOAT32"}
 _TILE_BYTES = 128 * 128  # one 128 x 128 e4m3 tile
 _STAGE_BYTES = 2 * _TILE_BYTES
 _WGRAD_SIDE_BYTES = 2 * 128 * 16  # the weight gradient's side boxes of a stage (csrc: SIDE_BYTES)

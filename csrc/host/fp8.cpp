@@ -363,8 +363,8 @@ bool scale_offsets_fit(const at::Tensor& a_scale, const at::Tensor& b_scale) {
 
 
 // out (M, N) = a (M, K) @ b (G, K, N) (+ bias (G, N)) from e4m3 K-major operands and their
-// fp8_blockwise scales: the maps and launch of kernels/scaled_grouped_mm_sm90.py's
-// scaled_grouped_mm. The caller checked that the kernel applies (the plan's conditions, M, N,
+// fp8_blockwise scales: the maps and launch of csrc/fp8_grouped_mm.cu's forward kernel (its only
+// launcher: kernels/scaled_grouped_mm_sm90.py's scaled_grouped_mm calls this). The caller checked that the kernel applies (the plan's conditions, M, N,
 // K > 0, aligned addresses).
 void launch_fp8_blockwise_sm90(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale,
                                const at::Tensor& b_scale, const at::Tensor& offs,
@@ -441,8 +441,8 @@ pybind11::object& wgrad_python_kernel() {  // scaled_grouped_mm_wgrad's Python k
 
 
 // out[g] (P, Q) = a_g^T @ d_g from columnwise e4m3 data a_t (P, M), d_t (Q, M) and their
-// scales: the maps and launches of kernels/scaled_grouped_mm_sm90.py's scaled_grouped_mm_wgrad
-// (wgrad_tile_order, then the kernel and its _claimed twin, of which the one not chosen
+// scales: the maps and launches of the weight-gradient kernels (their only launcher:
+// kernels/scaled_grouped_mm_sm90.py's scaled_grouped_mm_wgrad calls this) (wgrad_tile_order, then the kernel and its _claimed twin, of which the one not chosen
 // returns at once). The caller checked that the kernel applies (the plan's conditions, P, Q,
 // G > 0, aligned addresses); out (G, P, Q) contiguous.
 void launch_fp8_wgrad_sm90(const at::Tensor& a_t, const at::Tensor& d_t, const at::Tensor& a_scale,

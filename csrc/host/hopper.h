@@ -40,8 +40,8 @@ inline bool tma_aligned(std::initializer_list<const at::Tensor*> tensors) {
   return true;
 }
 
-// A bias whose rows start on even elements (the kernels copy two columns as one piece): the
-// bias, or a contiguous copy (kernels/grouped_mm_sm90.py's bias_in_pairs).
+// A bias whose rows start on even elements: the bias, or a contiguous copy (the kernels copy
+// each thread's two bias columns as one 4- or 8-byte piece).
 inline at::Tensor bias_in_pairs(const std::optional<at::Tensor>& bias) {
   if (!bias) return at::Tensor();
   if (bias->stride(0) % 2 || reinterpret_cast<uint64_t>(bias->data_ptr()) % (2 * bias->element_size()))

@@ -220,8 +220,9 @@ void grouped_mm_wgrad_accumulate_autograd(const at::Tensor& main_grad, const at:
 // ------------------------------------------------------------------------------ Hopper launch
 
 
-// out (M, N) = a (M, K) @ b[g] (K, N) (+ bias[g]); the maps and launches of
-// kernels/grouped_mm_sm90.py's grouped_mm. The caller checked that the kernel applies.
+// out (M, N) = a (M, K) @ b[g] (K, N) (+ bias[g]): the maps and launches of csrc/grouped_mm.cu's
+// forward kernels (their only launcher: kernels/grouped_mm_sm90.py's grouped_mm calls this).
+// The caller checked that the kernel applies.
 void launch_grouped_mm_sm90(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
                             const std::optional<at::Tensor>& bias, const at::Tensor& out, const GroupedMmPlan& plan) {
   const int64_t M = a.size(0), K = a.size(1), G = b.size(0), N = b.size(2);
@@ -323,8 +324,8 @@ pybind11::object& wgrad_fallback() {  // kernels/grouped_mm.py's Triton weight g
 }
 
 // out[g] (P, Q) = a_g^T @ grad_out_g (accumulate: +=, for the groups whose accumulate_mask
-// entry is set, every group without a mask): kernels/grouped_mm_sm90.py's launch_wgrad, into
-// out with unit column stride. wgrad_tile_order picks between the fixed tile order and tiles
+// entry is set, every group without a mask), into out with unit column stride (the only
+// launcher: kernels/grouped_mm_sm90.py's grouped_mm_wgrad calls this). wgrad_tile_order picks between the fixed tile order and tiles
 // claimed at run time from offs on the device, and writes per-group copies of the operand
 // maps; then both kernels launch and the one not chosen returns at once.
 void launch_grouped_mm_wgrad_sm90(const at::Tensor& a, const at::Tensor& grad_out, const at::Tensor& offs,
