@@ -374,15 +374,26 @@ def _row_token_index(index: Any):
     return _floordiv_by_int(column.args[0])
 
 
+_CAST_METHODS = {"bfloat16": torch.bfloat16, "half": torch.float16, "float": torch.float32}
+
+
+def _cast_source(node: Any):
+    """(src, dtype) when node is one cast of src to a floating dtype (``x.to(dtype)``,
+    ``x.float()``, ``x.bfloat16()``, ``x.half()``), else (node, None)."""
+    if isinstance(node, Node) and node.op == "call_method" and node.args:
+        if node.target in _CAST_METHODS and len(node.args) == 1 and not node.kwargs:
+            return node.args[0], _CAST_METHODS[node.target]
+        if (node.target == "to" and len(node.args) == 2 and isinstance(node.args[1], torch.dtype)
+                and node.args[1].is_floating_point):
+            return node.args[0], node.args[1]
+    return node, None
+
+
 def _without_cast(node: Any, to_fp32: bool = False) -> Any:
-    """node's input if node is one dtype cast (``.to(dtype)``, ``.float()``; with to_fp32 only
-    a cast to float32), else node."""
-    if _is_call(node, set(), ("float",)):
-        return node.args[0]
-    if (_is_call(node, set(), ("to",)) and len(node.args) == 2 and isinstance(node.args[1], torch.dtype)
-            and node.args[1].is_floating_point and (not to_fp32 or node.args[1] == torch.float32)):
-        return node.args[0]
-    return node
+    """node's input if node is one dtype cast (with to_fp32 only a cast to float32), else
+    node."""
+    src, dtype = _cast_source(node)
+    return src if dtype is not None and (not to_fp32 or dtype == torch.float32) else node
 
 
 def _scaled_rows(graph: Graph, src: Node, perm: Node, top_k, before: Node):
@@ -826,20 +837,6 @@ def rewrite_gated_activations(graph: Graph) -> int:
             count += 1
             break
     return count
-
-
-_CAST_METHODS = {"bfloat16": torch.bfloat16, "half": torch.float16, "float": torch.float32}
-
-
-def _cast_source(node: Any):
-    """(src, dtype) when node is a dtype cast of src (x.bfloat16(), x.half(), x.float(),
-    x.to(dtype)), else (node, None)."""
-    if isinstance(node, Node) and node.op == "call_method" and len(node.args) >= 1:
-        if node.target in _CAST_METHODS and len(node.args) == 1 and not node.kwargs:
-            return node.args[0], _CAST_METHODS[node.target]
-        if node.target == "to" and len(node.args) == 2 and isinstance(node.args[1], torch.dtype):
-            return node.args[0], node.args[1]
-    return node, None
 
 
 def _same_rows(a: Node, b: Node) -> bool:
