@@ -1,8 +1,8 @@
 """GPU tier of the C++ host layer (csrc/host): eager grouped_mm from the dispatcher to the
 driver. tests/test_gpu_grouped_mm.py runs the op's numerics through it (the layer is on by
 default with a CUDA build of torch); here: its registration, the same bits eager and
-compiled, the error without the layer (in a fresh process), CUDA-graph replay under changing routing, no
-host sync, opcheck."""
+compiled, the error without the layer (in a fresh process), CUDA-graph replay under changing
+routing, no host sync, opcheck."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.gpu,
 # (M, K, N, G, with bias, dgrad): decode (split K), fine-grained (skipping kernel), large.
 CASES = [(4, 2048, 1536, 128, False, False), (4, 768, 2048, 128, False, True),
          (2048, 512, 768, 64, True, False), (4096, 2048, 1536, 32, True, True)]
+
 
 def test_cuda_kernel_registered():
     assert host.cuda_module() is not None, "the C++ host layer did not build on this GPU machine"
